@@ -1,0 +1,118 @@
+"""RMSNorm for PyTorch: `rms_norm`, the `RMSNorm` module, and the `xkern::rms_norm_*` ops behind them.
+
+The ops are registered with `torch.library` (fake implementations included) so `torch.compile(
+fullgraph=True)` traces them; autograd is attached with `register_autograd`. Math and rounding: see
+`xkern/rms_norm.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_api._launch import check_device, launch, rows_view
+from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return x.dtype if weight.dtype == x.dtype else torch.float32
+
+
+@torch.library.custom_op("xkern::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n_cols = x.shape[-1]
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    x2 = rows_view("x", x)
+    if x2.numel() == 0:
+        return y
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols)
+    launch(plan, x2, weight, y, n_rows=x2.shape[0], n_cols=n_cols, x_row_stride=x2.stride(0),
+           y_row_stride=n_cols, eps=float(eps))
+    return y
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+
+
+@torch.library.custom_op("xkern::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n_cols = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, dy2 = rows_view("x", x), rows_view("dy", dy)
+    n_rows = x2.shape[0]
+    if x2.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols)
+    partial = torch.empty((bwd.grid[0], n_cols), dtype=torch.float32, device=x.device)
+    launch(bwd, x2, weight, dy2, dx, partial, n_rows=n_rows, n_cols=n_cols, x_row_stride=x2.stride(0),
+           dy_row_stride=dy2.stride(0), dx_row_stride=n_cols, eps=float(eps))
+    dw = torch.empty_like(weight)
+    launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=n_cols)
+    return dx, dw
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, eps):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps)
+    return dx, dw, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face Llama RMSNorm over the last dim: `w * (x.float() * rsqrt(mean(x.float()**2) + eps))
+    .to(x.dtype)`, fp32 statistics, differentiable in `x` and `weight`.
+
+    x: [..., N], float16 / bfloat16 / float32, any N >= 1, CUDA (or CPU under TRITON_INTERPRET=1).
+    weight: [N], x's dtype or float32; the output dtype follows eager promotion of the two.
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"x and weight must be torch.Tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"weight must have x's dtype ({x.dtype}) or float32, got {weight.dtype}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., N], got a scalar")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    check_device("x", x)
+    check_device("weight", weight, like=x)
+    return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps))
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in Llama-style RMSNorm module: `weight` (ones at init) and `eps`, forward = `rms_norm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

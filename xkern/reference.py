@@ -1,0 +1,123 @@
+"""FP64 reference oracles (numpy only) and ULP metrics, shared by both front ends' tests and benchmarks.
+
+The oracles compute in float64 and round exactly where eager PyTorch rounds (Hugging Face Llama RMSNorm),
+so a kernel is judged against the truth of the contract, not against a peer. 16-bit dtypes come from
+`ml_dtypes` (bfloat16) and numpy (float16).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+
+
+def np_dtype(name_or_dtype) -> np.dtype:
+    """numpy dtype from a name ('bfloat16', 'torch.bfloat16') or anything numpy understands."""
+    name = str(name_or_dtype).replace("torch.", "")
+    return DTYPES[name] if name in DTYPES else np.dtype(name_or_dtype)
+
+
+def _round(a: np.ndarray, dtype) -> np.ndarray:
+    """Round float64 values to `dtype` (round to nearest even) and return them as float64 again."""
+    return np.asarray(a, np.float64).astype(np_dtype(dtype)).astype(np.float64)
+
+
+def promote(x_dtype, w_dtype) -> np.dtype:
+    """Output dtype of `w * normed` under PyTorch promotion (w is x's dtype or float32)."""
+    x_dtype, w_dtype = np_dtype(x_dtype), np_dtype(w_dtype)
+    return x_dtype if x_dtype == w_dtype else np.dtype(np.float32)
+
+
+def rms_norm_fwd(x, w, eps: float) -> np.ndarray:
+    """float64 y, the rounding of `normed.to(x.dtype)` applied; the caller compares in the output dtype."""
+    x64 = np.asarray(x, np.float64)
+    rstd = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return np.asarray(w, np.float64) * _round(x64 * rstd, x.dtype)
+
+
+def rms_norm_bwd(x, w, dy, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 (dx, dw, dw_tol) with eager autograd's rounding points: `dy * w` in the output dtype, then
+    to x.dtype; `dy * normed.to(x.dtype)` in the output dtype before the sum over rows.
+
+    dw_tol is the cancellation allowance for dw: `normed` computed in fp32 may round to x.dtype one ULP
+    away from the fp64 one, moving a term by 2**-p of its size; where the row sum cancels, that is many
+    ULPs of the result. An element of dw within sum_rows |term| * 2**-p of the truth is accepted."""
+    out_dtype = promote(x.dtype, w.dtype)
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    rstd = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    n = x64 * rstd
+    g = _round(_round(dy64 * w64, out_dtype), x.dtype)
+    dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
+    terms = _round(dy64 * _round(n, x.dtype), out_dtype).reshape(-1, x.shape[-1])
+    dw_tol = np.abs(terms).sum(axis=0) * 2.0 ** -(np.finfo(np_dtype(x.dtype)).nmant + 1)
+    return dx, terms.sum(axis=0), dw_tol
+
+
+def hf_eager_fwd(x, w, eps: float) -> np.ndarray:
+    """The Hugging Face expression evaluated the way eager PyTorch does (fp32 math, same roundings):
+    used to show the oracle and thresholds accept the reference implementation itself."""
+    x32 = np.asarray(x, np.float32)
+    var = np.mean(x32 * x32, axis=-1, keepdims=True, dtype=np.float32)
+    normed = (x32 * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))).astype(x.dtype)
+    out_dtype = promote(x.dtype, w.dtype)
+    return (np.asarray(w, np.float32) * normed.astype(np.float32)).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ULP metrics
+
+
+def ordered_bits(a: np.ndarray) -> np.ndarray:
+    """Map floats to integers whose order is the floats' order, so |ordered(a) - ordered(b)| counts ULPs."""
+    a = np.asarray(a)
+    bits = a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]).astype(np.int64)
+    sign_min = -(1 << (8 * a.dtype.itemsize - 1))
+    return np.where(bits < 0, sign_min - bits, bits)
+
+
+def ulp_distance(out: np.ndarray, ref64: np.ndarray) -> np.ndarray:
+    """ULPs between `out` and the float64 reference rounded to out's dtype."""
+    out = np.asarray(out)
+    return np.abs(ordered_bits(out) - ordered_bits(np.asarray(ref64).astype(out.dtype)))
+
+
+def error_stats(out, ref64, abs_ok: float = 0.0) -> dict:
+    """Numbers the thresholds judge, also reported next to every benchmark result."""
+    out = np.asarray(out)
+    got = out.astype(np.float64)
+    ref64 = np.asarray(ref64, np.float64)
+    err = np.abs(got - ref64)
+    finite = bool(np.all(np.isfinite(got)))
+    ulp = ulp_distance(out, ref64)
+    ulp = np.where(err <= abs_ok, 0, ulp)
+    ref_norm = float(np.linalg.norm(ref64)) or 1.0
+    return {
+        "finite": finite,
+        "max_ulp": int(ulp.max()) if ulp.size else 0,
+        "within_1ulp": float(np.mean(ulp <= 1)) if ulp.size else 1.0,
+        "rel_l2": float(np.linalg.norm(got - ref64) / ref_norm) if ulp.size else 0.0,
+        "max_err_rel_to_max_ref": float(err.max() / (np.abs(ref64).max() or 1.0)) if ulp.size else 0.0,
+    }
+
+
+def check(out, ref64, kind: str, abs_ok=None) -> dict:
+    """Assert the contract's thresholds; `kind` is 'fwd', 'dx' or 'dw'. Returns the stats.
+
+    16-bit outputs: fwd <= 2 ULP max and >= 99 % within 1 ULP; dx, dw <= 8 ULP max and >= 95 % within
+    1 ULP (a dx element may instead be within 1e-7 absolute, a dw element within `abs_ok`, the
+    oracle's dw_tol). 32-bit outputs, where ULPs measure summation order: relative L2 <= 1e-6 and max
+    error <= 1e-5 * max|ref|. NaN/Inf never pass."""
+    out = np.asarray(out)
+    stats = error_stats(out, ref64, abs_ok=1e-7 if kind == "dx" else (0.0 if abs_ok is None else abs_ok))
+    assert stats["finite"], f"{kind}: non-finite output"
+    if out.dtype.itemsize == 2:
+        max_ulp, frac = (2, 0.99) if kind == "fwd" else (8, 0.95)
+        assert stats["max_ulp"] <= max_ulp, f"{kind}: {stats}"
+        assert stats["within_1ulp"] >= frac, f"{kind}: {stats}"
+    else:
+        assert stats["rel_l2"] <= 1e-6, f"{kind}: {stats}"
+        assert stats["max_err_rel_to_max_ref"] <= 1e-5, f"{kind}: {stats}"
+    return stats

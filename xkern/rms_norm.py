@@ -1,0 +1,211 @@
+"""RMSNorm with Hugging Face Llama rounding: kernels and launch plans.
+
+Forward:  y = w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype), output dtype = promote(x, w).
+Backward, one joint pass that reads x and dy once (rstd is recomputed from x, never stored):
+    n  = x * rstd                      (fp32)
+    g  = (dy * w).to(x.dtype)          (eager rounds here: the backward of `.to(x.dtype)`)
+    dx = rstd * (g - n * mean(g * n))  rounded once to x.dtype
+    dw = sum_rows (dy * n.to(x.dtype)).to(dy.dtype), in fp32: one partial row per program, then summed
+         over programs in a fixed order by `_dw_reduce_kernel` (deterministic, no atomics).
+
+Rows are addressed as `X + row * row_stride + col`, row offsets in int64, so any input whose last dim is
+contiguous and whose leading dims collapse to one stride is read in place.
+
+Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
+many rows per tile; wide rows get BLOCK_M = 1 (a row kernel). Rows wider than the largest register
+block go to the `*_chunked` kernels, which loop over column chunks: every width works.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y,
+    n_rows, n_cols, x_row_stride, y_row_stride, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = w[None, :] * normed
+    tl.store(Y + rows * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fwd_chunked_kernel(
+    X, W, Y,
+    n_rows, n_cols, x_row_stride, y_row_stride, eps,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * x_row_stride
+    y_row = Y + row * y_row_stride
+    sum_sq = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    X, W, DY, DX, DW_PARTIAL,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers.
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
+        n = x * rstd
+        n_lp = n.to(X.dtype.element_ty).to(tl.float32)
+        g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        # where(): a masked row with eps == 0 has rstd = inf and n = nan; keep it out of dw.
+        dw_acc += tl.sum(tl.where(mask, (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), 0.0), axis=0)
+        mean_gn = tl.sum(g * n, axis=1)[:, None] / n_cols
+        dx = rstd * (g - n * mean_gn)
+        tl.store(DX + rows * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    partial = batch * tl.num_programs(0) + pid
+    tl.store(DW_PARTIAL + partial * n_cols + cols, dw_acc, mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_chunked_kernel(
+    X, W, DY, DX, DW_PARTIAL,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, eps,
+    BLOCK_N: tl.constexpr,
+):
+    # Rows too wide for registers: pass 1 gathers the two row sums, pass 2 (re-reading the row, mostly
+    # from L2) writes dx and adds into this program's own dw partial row in memory.
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
+    dw_row = DW_PARTIAL + (batch * tl.num_programs(0) + pid) * n_cols
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        tl.store(dw_row + cols, tl.zeros([BLOCK_N], tl.float32), mask=cols < n_cols)
+    for row in range(pid.to(tl.int64), n_rows, tl.num_programs(0)):  # int64 row: offsets past 2**31
+        x_row = X + row * x_row_stride
+        dy_row = DY + row * dy_row_stride
+        sum_sq = tl.zeros([BLOCK_N], tl.float32)
+        sum_gx = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+            sum_sq += x * x
+            sum_gx += g * x
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+        mean_gn = tl.sum(sum_gx, axis=0) * rstd / n_cols
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            n = x * rstd
+            g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+            dx = rstd * (g - n * mean_gn)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            n_lp = n.to(X.dtype.element_ty).to(tl.float32)
+            dw = tl.load(dw_row + cols, mask=mask, other=0.0)
+            tl.store(dw_row + cols, dw + (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _dw_reduce_kernel(
+    DW_PARTIAL, DW,
+    n_partials, n_cols,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Fixed summation order over the partial rows: the same bits on every run and front end.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    batch = tl.program_id(1).to(tl.int64)
+    DW_PARTIAL += batch * n_partials * n_cols
+    DW += batch * n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(DW_PARTIAL + parts.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans. Fixed offline from benchmarks/ (no runtime autotuning: it would break determinism and
+# torch/JAX parity). Inputs are shapes and the element size only.
+
+MAX_FWD_BLOCK = 65536  # widest row held in registers by the forward (32 warps x 64 fp32 per thread)
+MAX_BWD_BLOCK = 16384  # the backward holds x, dy and the dw partial: a third of the forward's room
+CHUNK = 4096           # column chunk of the *_chunked kernels
+TILE_ELEMS = 4096      # elements per tile for multi-row tiles
+
+
+def _tile(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    block_n = next_pow2(n_cols)
+    block_m = max(1, min(TILE_ELEMS // block_n, next_pow2(n_rows)))
+    num_warps = max(1, min(32, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def plan_rms_norm_fwd(n_rows: int, n_cols: int) -> Launch:
+    if n_cols > MAX_FWD_BLOCK:
+        return Launch(_rms_norm_fwd_chunked_kernel, (n_rows,), 16, {"BLOCK_N": CHUNK})
+    block_m, block_n, num_warps = _tile(n_rows, n_cols)
+    return Launch(_rms_norm_fwd_kernel, (cdiv(n_rows, block_m),), num_warps,
+                  {"BLOCK_M": block_m, "BLOCK_N": block_n})
+
+
+def plan_rms_norm_bwd(n_rows: int, n_cols: int, n_batch: int = 1) -> tuple[Launch, Launch]:
+    """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
+    (n_batch > 1 only under jax.vmap: per-example dw). Partials are [n_batch, bwd.grid[0], n_cols] fp32."""
+    if n_cols > MAX_BWD_BLOCK:
+        grid = max(1, min(n_rows, NUM_SMS))
+        bwd = Launch(_rms_norm_bwd_chunked_kernel, (grid, n_batch), 16, {"BLOCK_N": CHUNK})
+    else:
+        block_m, block_n, num_warps = _tile(n_rows, n_cols)
+        programs_per_sm = max(1, 16 // num_warps)
+        grid = max(1, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
+        bwd = Launch(_rms_norm_bwd_kernel, (grid, n_batch), num_warps, {"BLOCK_M": block_m, "BLOCK_N": block_n})
+    block_n = min(next_pow2(n_cols), 256)
+    reduce = Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), 4, {"BLOCK_P": 16, "BLOCK_N": block_n})
+    return bwd, reduce
