@@ -1,0 +1,95 @@
+"""Launching an xkern plan from JAX.
+
+GPU: `jax_triton.triton_call` (imported lazily: only the GPU path needs it). CPU: the same @triton.jit
+kernel runs under Triton's interpreter (TRITON_INTERPRET=1) inside `jax.pure_callback`, on numpy
+buffers handed to the interpreter through `_HostArray`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+
+from xkern.launch import INTERPRETER_LOCK, Launch, patch_interpreter_bf16_rounding
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    patch_interpreter_bf16_rounding()
+
+
+def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
+    """Launch `plan` on `inputs`, returning new arrays shaped like `out_types` (ShapeDtypeStructs)."""
+    if jax.default_backend() == "cpu":
+        if not INTERPRET:
+            raise RuntimeError("jax_api runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                               "before triton is first imported")
+        return list(jax.pure_callback(functools.partial(_interpret, plan, out_types, scalars),
+                                      list(out_types), *inputs))
+    jt = _jax_triton()
+    # jax-triton 0.3.x calls the outputs `out_shape`, 0.4.x `out_type`.
+    key = "out_shape" if jt.__version__.startswith("0.3") else "out_type"
+    outs = jt.triton_call(*inputs, kernel=plan.kernel, grid=plan.grid, num_warps=plan.num_warps,
+                          num_stages=plan.num_stages, **{key: list(out_types)}, **scalars, **plan.constexprs)
+    return list(outs)
+
+
+@functools.cache
+def _jax_triton():
+    # jax-triton 0.3.1 sets TRITON_CACHE_DIR="" on import, which breaks every later Triton compile in the
+    # process (torch-side launches included): put the variable back as it was.
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
+
+
+class _HostArray:
+    """A numpy buffer as Triton's interpreter wants a tensor: a data pointer, a dtype and the storage
+    hooks it uses to copy arguments to and from the host (here they are already there: no copies)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def new_empty(self, *args, **kwargs):
+        return _HostArray(self.array)
+
+    def set_(self, storage, *args):
+        self.array = storage.array
+        return self
+
+    def copy_(self, other):
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+
+def _interpret(plan: Launch, out_types, scalars, *inputs):
+    outs = [np.empty(t.shape, t.dtype) for t in out_types]
+    args = [_HostArray(np.ascontiguousarray(a)) for a in inputs] + [_HostArray(o) for o in outs]
+    with INTERPRETER_LOCK:
+        plan.kernel[plan.grid](*args, **scalars, **plan.constexprs)
+    return outs

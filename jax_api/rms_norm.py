@@ -1,0 +1,133 @@
+"""RMSNorm for JAX: `rms_norm`, a `jax.custom_vjp` function usable under jit, grad, vjp and vmap.
+
+vmap: the kernel calls are `custom_vmap` functions, so a vmapped forward is just more rows, and a
+vmapped backward launches once with a batch grid axis that keeps one dw per example. A batched weight
+falls back to `lax.map` over the batch. Math and rounding: see `xkern/rms_norm.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_api._launch import call
+from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
+
+_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def _out_dtype(x, weight):
+    return x.dtype if weight.dtype == x.dtype else jnp.dtype(jnp.float32)
+
+
+def _fwd(x, weight, eps):
+    n_cols = x.shape[-1]
+    out = jax.ShapeDtypeStruct(x.shape, _out_dtype(x, weight))
+    if x.size == 0:
+        return jnp.zeros(out.shape, out.dtype)
+    x2 = x.reshape(-1, n_cols)
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols)
+    (y,) = call(plan, [x2, weight], [jax.ShapeDtypeStruct(x2.shape, out.dtype)], n_rows=x2.shape[0],
+                n_cols=n_cols, x_row_stride=n_cols, y_row_stride=n_cols, eps=eps)
+    return y.reshape(x.shape)
+
+
+def _bwd(dy, x, weight, eps, n_batch_dims):
+    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example)."""
+    n_cols = x.shape[-1]
+    batch_shape = x.shape[:n_batch_dims]
+    n_batch = math.prod(batch_shape)
+    if x.size == 0:
+        return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, weight.dtype)
+    n_rows = x.size // n_cols // n_batch
+    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, n_batch)
+    x2, dy2 = x.reshape(-1, n_cols), dy.reshape(-1, n_cols)
+    dx, partial = call(bwd, [x2, weight, dy2],
+                       [jax.ShapeDtypeStruct(x2.shape, x.dtype),
+                        jax.ShapeDtypeStruct((n_batch * bwd.grid[0], n_cols), jnp.float32)],
+                       n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols,
+                       dx_row_stride=n_cols, eps=eps)
+    (dw,) = call(reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
+                 n_partials=bwd.grid[0], n_cols=n_cols)
+    return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
+
+
+def _map_over_batched_weight(op, axis_size, in_batched, *args):
+    """A batched weight cannot be folded into rows: run `op` once per example."""
+    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+    return jax.lax.map(lambda a: op(*a), args)
+
+
+@functools.cache
+def _fwd_op(eps: float):
+    @jax.custom_batching.custom_vmap
+    def op(x, weight):
+        return _fwd(x, weight, eps)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, x, weight):
+        x_batched, w_batched = in_batched
+        if w_batched:
+            return _map_over_batched_weight(op, axis_size, in_batched, x, weight), True
+        return op(x, weight), True  # batch axis 0 of x: more rows
+
+    return op
+
+
+@functools.cache
+def _bwd_op(eps: float, n_batch_dims: int):
+    @jax.custom_batching.custom_vmap
+    def op(dy, x, weight):
+        return _bwd(dy, x, weight, eps, n_batch_dims)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, dy, x, weight):
+        if in_batched[2]:
+            return _map_over_batched_weight(op, axis_size, in_batched, dy, x, weight), (True, True)
+        dy, x = (a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip((dy, x), in_batched))
+        return _bwd_op(eps, n_batch_dims + 1)(dy, x, weight), (True, True)
+
+    return op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, weight, eps):
+    return _fwd_op(eps)(x, weight)
+
+
+def _rms_norm_fwd(x, weight, eps):
+    return _fwd_op(eps)(x, weight), (x, weight)
+
+
+def _rms_norm_bwd(eps, residuals, dy):
+    x, weight = residuals
+    return _bwd_op(eps, 0)(dy, x, weight)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Hugging Face Llama RMSNorm over the last axis: `w * (x.f32 * rsqrt(mean(x.f32**2) + eps)).astype(
+    x.dtype)`, fp32 statistics; differentiable in `x` and `weight` (jax.custom_vjp).
+
+    x: [..., N], float16 / bfloat16 / float32, any N >= 1. weight: [N], x's dtype or float32; the output
+    dtype is x's when they match, else float32 (PyTorch's promotion, as the torch front end).
+    """
+    for name, a in (("x", x), ("weight", weight)):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if weight.dtype not in (x.dtype, jnp.float32):
+        raise TypeError(f"weight must have x's dtype ({x.dtype}) or float32, got {weight.dtype}")
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension [..., N], got a scalar")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return _rms_norm(x, weight, float(eps))

@@ -1,0 +1,28 @@
+# Sourced by main.sh and test.sh: picks the Python to use, setting up .venv on a machine without a GPU.
+# On a CPU machine: Python 3.11 venv with torch 2.13.0 (CPU build, from local disk), triton 3.6.0 (its
+# interpreter runs the kernels), jax 0.10.2. numpy < 2.4: Triton 3.6's interpreter breaks on numpy
+# 2.4's removal of 1-element-array-to-int conversion (kernels looping over program ids).
+# On a GPU machine: the system python3 and what is installed there, plus wheels carried in .whl/.
+set -e
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  PY=python3
+  if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xkern-site .whl/*.whl
+    export PYTHONPATH=/tmp/xkern-site:$PYTHONPATH
+  fi
+  export PYTHONPATH=$ROOT:$PYTHONPATH
+else
+  PYBIN=$(command -v python3.11 || (command -v pyenv >/dev/null && pyenv root >/dev/null && ls "$(pyenv root)"/versions/3.11*/bin/python3.11 2>/dev/null | head -1) || command -v python3)
+  if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest" 2>/dev/null; then
+    "$PYBIN" -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 jax==0.10.2 jaxlib==0.10.2 \
+      ml_dtypes "numpy<2.4" pytest ruff matplotlib
+    .venv/bin/python -m pip install -q --no-deps -e .
+  fi
+  PY=.venv/bin/python
+  export TRITON_INTERPRET=1 JAX_PLATFORMS=cpu
+fi
+export PYTHONUNBUFFERED=1

@@ -1,0 +1,17 @@
+"""Test setup: no GPU means Triton's interpreter, which must be switched on before triton is imported."""
+
+import os
+import shutil
+import subprocess
+
+
+def _has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+GPU = _has_gpu()
+if not GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
