@@ -56,16 +56,6 @@ def rms_norm_bwd(x, w, dy, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return dx, terms.sum(axis=0), dw_tol
 
 
-def hf_eager_fwd(x, w, eps: float) -> np.ndarray:
-    """The Hugging Face expression evaluated the way eager PyTorch does (fp32 math, same roundings):
-    used to show the oracle and thresholds accept the reference implementation itself."""
-    x32 = np.asarray(x, np.float32)
-    var = np.mean(x32 * x32, axis=-1, keepdims=True, dtype=np.float32)
-    normed = (x32 * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))).astype(x.dtype)
-    out_dtype = promote(x.dtype, w.dtype)
-    return (np.asarray(w, np.float32) * normed.astype(np.float32)).astype(out_dtype)
-
-
 # ---------------------------------------------------------------------------------------------------
 # ULP metrics
 

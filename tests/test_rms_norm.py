@@ -1,0 +1,301 @@
+"""RMSNorm, both front ends, against the FP64 oracle (CPU: Triton's interpreter runs the real kernels).
+
+Every result is judged by `xkern.reference.check` (the contract's ULP thresholds); torch_api and jax_api
+must agree bit for bit on y, dx and dw.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import DEVICE, GPU, TORCH_DTYPES, rand, same_bits, to_numpy, to_torch
+
+import jax_api
+import torch_api
+from torch_api._launch import launch, rows_view
+from xkern import reference as R
+from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
+
+WIDTHS = [1, 3, 64, 127, 128, 129, 300, 2048, 2049, 5000]
+ROWS = [0, 1, 7, 33]
+DTYPES = ["bfloat16", "float16", "float32"]
+EPS = 1e-6
+
+
+def _rng(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _inputs(rng, shape, dtype, w_dtype=None):
+    n = shape[-1]
+    x = rand(rng, shape, dtype)
+    w = rand(rng, (n,), w_dtype or dtype, scale=0.5, offset=1.0)
+    dy = rand(rng, shape, str(R.promote(x.dtype, w.dtype)))
+    return x, w, dy
+
+
+def _eps_for(width: int) -> float:
+    # At width 1, dx = g * eps / (x**2 + eps)**1.5 comes from 1 - n**2: a cancellation that fp32 (the
+    # kernel and eager alike) resolves to ~6e-8 / eps relative error. Test it where fp32 can resolve it.
+    return 1e-2 if width == 1 else EPS
+
+
+def _torch_run(x, w, dy, eps):
+    tx, tw = to_torch(x).requires_grad_(), to_torch(w).requires_grad_()
+    y = torch_api.rms_norm(tx, tw, eps)
+    y.backward(to_torch(dy))
+    return y, tx.grad, tw.grad
+
+
+def _jax_run(x, w, dy, eps):
+    y, vjp = jax.vjp(jax.jit(lambda x, w: jax_api.rms_norm(x, w, eps)), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(dy))
+    return y, dx, dw
+
+
+def _check_all(x, w, dy, eps, y, dx, dw):
+    _, dw_ref, dw_tol = R.rms_norm_bwd(x, w, dy, eps)
+    R.check(to_numpy(y), R.rms_norm_fwd(x, w, eps), "fwd")
+    R.check(to_numpy(dx), R.rms_norm_bwd(x, w, dy, eps)[0], "dx")
+    R.check(to_numpy(dw), dw_ref, "dw", dw_tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_torch_matches_oracle(dtype, width, rows):
+    x, w, dy = _inputs(_rng("torch", dtype, width, rows), (rows, width), dtype)
+    eps = _eps_for(width)
+    y, dx, dw = _torch_run(x, w, dy, eps)
+    assert y.shape == (rows, width) and y.dtype == TORCH_DTYPES[dtype]
+    assert dx.dtype == y.dtype and dw.dtype == y.dtype
+    if rows == 0:
+        assert torch.count_nonzero(dw) == 0
+    else:
+        _check_all(x, w, dy, eps, y, dx, dw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_jax_bitwise_equals_torch(dtype, width):
+    rows = 33 if width <= 2049 else 7
+    x, w, dy = _inputs(_rng("jax", dtype, width), (rows, width), dtype)
+    eps = _eps_for(width)
+    torch_out = _torch_run(x, w, dy, eps)
+    jax_out = _jax_run(x, w, dy, eps)
+    _check_all(x, w, dy, eps, *jax_out)
+    for name, a, b in zip(("y", "dx", "dw"), jax_out, torch_out):
+        assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
+
+
+@pytest.mark.parametrize("width", [300, 20000, 70000])  # row kernel; chunked backward; chunked forward
+def test_wide_rows_and_chunked_paths(width):
+    x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
+    torch_out = _torch_run(x, w, dy, EPS)
+    _check_all(x, w, dy, EPS, *torch_out)
+    for a, b in zip(_jax_run(x, w, dy, EPS), torch_out):
+        assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_float32_weight_promotes_output(dtype):
+    x, w, dy = _inputs(_rng("fp32w", dtype), (33, 128), dtype, w_dtype="float32")
+    y, dx, dw = _torch_run(x, w, dy, EPS)
+    assert y.dtype == torch.float32 and dx.dtype == TORCH_DTYPES[dtype] and dw.dtype == torch.float32
+    _check_all(x, w, dy, EPS, y, dx, dw)
+    jy, jdx, jdw = _jax_run(x, w, dy, EPS)
+    assert jy.dtype == jnp.float32 and same_bits(jy, y) and same_bits(jdx, dx) and same_bits(jdw, dw)
+
+
+def test_width_one_derivative_is_not_zero():
+    eps = 0.1
+    x, w, dy = _inputs(_rng("w1"), (7, 1), "float32")
+    _, dx, _ = _torch_run(x, w, dy, eps)
+    g = dy.astype(np.float64) * w.astype(np.float64)
+    expected = g * eps / (x.astype(np.float64) ** 2 + eps) ** 1.5
+    assert np.all(np.abs(expected) > 1e-3)
+    np.testing.assert_allclose(to_numpy(dx), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 64), (4, 9, 300)])
+def test_multidimensional_inputs(shape):
+    x, w, dy = _inputs(_rng("nd", shape), shape, "bfloat16")
+    y, dx, dw = _torch_run(x, w, dy, EPS)
+    assert y.shape == shape and dx.shape == shape
+    _check_all(x, w, dy, EPS, y, dx, dw)
+    for a, b in zip(_jax_run(x, w, dy, EPS), (y, dx, dw)):
+        assert same_bits(a, b)
+
+
+def test_strided_views_read_in_place():
+    rng = _rng("views")
+    # q slice of a fused qkv tensor: last dim contiguous, one row stride (3 * 128): read in place.
+    qkv = to_torch(rand(rng, (33, 3 * 128), "bfloat16"))
+    q = qkv[:, :128]
+    assert rows_view("x", q).data_ptr() == q.data_ptr()
+    # Head-major view of [B, S, H, D] as [B, H, S, D]: leading dims do not collapse, so a copy is made.
+    bshd = to_torch(rand(rng, (2, 5, 3, 64), "bfloat16"))
+    bhsd = bshd.transpose(1, 2)
+    w = to_torch(rand(rng, (128,), "bfloat16", 0.5, 1.0))
+    w64 = to_torch(rand(rng, (64,), "bfloat16", 0.5, 1.0))
+    for x, wt in ((q, w), (bhsd, w64), (q.unsqueeze(0), w)):
+        y = torch_api.rms_norm(x, wt, EPS)
+        R.check(to_numpy(y), R.rms_norm_fwd(to_numpy(x.contiguous()), to_numpy(wt), EPS), "fwd")
+        assert same_bits(y, torch_api.rms_norm(x.contiguous(), wt, EPS))
+    # Gradients through a strided input and a non-contiguous dy.
+    xs = q.detach().clone().requires_grad_()
+    dy = to_torch(rand(rng, (128, 33), "bfloat16")).t()
+    torch_api.rms_norm(xs, w, EPS).backward(dy)
+    xc = q.detach().contiguous().requires_grad_()
+    torch_api.rms_norm(xc, w, EPS).backward(dy.contiguous())
+    assert same_bits(xs.grad, xc.grad)
+
+
+def test_every_output_element_is_written():
+    """Launch the plans on NaN-poisoned outputs: a missed element would stay NaN."""
+    rng = _rng("poison")
+    for rows, width in ((33, 128), (7, 300), (2, 20000), (1, 70000)):
+        x, w, dy = (to_torch(a) for a in _inputs(rng, (rows, width), "bfloat16"))
+        y = torch.full_like(x, float("nan"))
+        launch(plan_rms_norm_fwd(rows, width), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
+               y_row_stride=width, eps=EPS)
+        assert same_bits(y, torch_api.rms_norm(x, w, EPS))
+        bwd, reduce = plan_rms_norm_bwd(rows, width)
+        dx = torch.full_like(x, float("nan"))
+        partial = torch.full((bwd.grid[0], width), float("nan"), device=x.device)
+        dw = torch.full_like(w, float("nan"))
+        launch(bwd, x, w, dy, dx, partial, n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
+               dx_row_stride=width, eps=EPS)
+        launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=width)
+        ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
+        assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
+
+
+def test_deterministic_run_to_run():
+    x, w, dy = _inputs(_rng("det"), (64, 256), "bfloat16")
+    first = _torch_run(x, w, dy, EPS)
+    for _ in range(2):
+        assert all(same_bits(a, b) for a, b in zip(_torch_run(x, w, dy, EPS), first))
+    j1, j2 = _jax_run(x, w, dy, EPS), _jax_run(x, w, dy, EPS)
+    assert all(same_bits(a, b) for a, b in zip(j1, j2))
+
+
+def test_empty_inputs():
+    for shape in ((0, 128), (2, 0, 64)):
+        x = torch.randn(shape, device=DEVICE, requires_grad=True)
+        w = torch.randn(shape[-1], device=DEVICE, requires_grad=True)
+        y = torch_api.rms_norm(x, w)
+        assert y.shape == shape
+        y.sum().backward()
+        assert x.grad.shape == shape and torch.count_nonzero(w.grad) == 0
+        jx, jw = jnp.zeros(shape), jnp.ones(shape[-1])
+        jy = jax_api.rms_norm(jx, jw)
+        gx, gw = jax.grad(lambda x, w: jax_api.rms_norm(x, w).sum(), argnums=(0, 1))(jx, jw)
+        assert jy.shape == shape and gx.shape == shape and not np.any(np.asarray(gw))
+
+
+def test_hf_eager_expression_meets_the_thresholds():
+    """The oracle and thresholds accept the reference implementation itself (eager PyTorch, CPU)."""
+    for dtype in DTYPES:
+        x, w, dy = _inputs(_rng("eager", dtype), (33, 300), dtype)
+        tx, tw = to_torch(x, "cpu").requires_grad_(), to_torch(w, "cpu").requires_grad_()
+        xf = tx.float()
+        y = tw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(tx.dtype)
+        y.backward(to_torch(dy, "cpu"))
+        _check_all(x, w, dy, EPS, y, tx.grad, tw.grad)
+
+
+def test_oracle_rejects_a_wrong_answer():
+    """The checks can fail: a 1-ULP shift of every element, or a NaN, is caught."""
+    x, w, _ = _inputs(_rng("wrong"), (33, 128), "bfloat16")
+    ref = R.rms_norm_fwd(x, w, EPS)
+    y = ref.astype(R.BF16)
+    shifted = (y.view(np.int16) + 2).view(R.BF16)
+    with pytest.raises(AssertionError):
+        R.check(shifted, ref, "fwd")
+    y[3, 5] = np.nan
+    with pytest.raises(AssertionError):
+        R.check(y, ref, "fwd")
+
+
+def test_module():
+    m = torch_api.RMSNorm(300, eps=1e-5, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(m.weight, torch.ones(300, dtype=torch.bfloat16, device=DEVICE))
+    assert m.eps == 1e-5
+    x = to_torch(rand(_rng("module"), (4, 300), "bfloat16"))
+    with torch.no_grad():
+        m.weight.mul_(1.5)
+    assert same_bits(m(x), torch_api.rms_norm(x, m.weight, 1e-5))
+
+
+# --- JAX transformations ---------------------------------------------------------------------------
+
+
+def test_jax_vmap_grad_and_batched_weight():
+    rng = _rng("vmap")
+    x = jnp.asarray(rand(rng, (3, 5, 64), "float32"))
+    w = jnp.asarray(rand(rng, (64,), "float32", 0.5, 1.0))
+    ws = jnp.asarray(rand(rng, (3, 64), "float32", 0.5, 1.0))
+
+    def loss(x, w):
+        return jnp.sum(jax_api.rms_norm(x, w) ** 2)
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(x, w)
+    assert per_example[1].shape == (3, 64)
+    for i in range(3):
+        gx, gw = jax.grad(loss, argnums=(0, 1))(x[i], w)
+        assert same_bits(per_example[0][i], gx) and same_bits(per_example[1][i], gw)
+    # Batched weight (lax.map fallback) and a batch axis that is not the first one.
+    yb = jax.vmap(jax_api.rms_norm)(x, ws)
+    yt = jax.vmap(jax_api.rms_norm, in_axes=(1, None), out_axes=1)(x, w)
+    for i in range(3):
+        assert same_bits(yb[i], jax_api.rms_norm(x[i], ws[i]))
+    assert same_bits(yt, jax_api.rms_norm(x, w))
+    # Two batch axes and a gradient summed over the batch.
+    g2 = jax.grad(lambda w: jnp.sum(jax.vmap(jax.vmap(jax_api.rms_norm, (0, None)), (0, None))(x[:, :, None], w)))(w)
+    g1 = jax.grad(lambda w: jnp.sum(jax_api.rms_norm(x, w)))(w)
+    np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-5, atol=1e-6)
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    cases = [
+        (TypeError, "x must be float16", (x.to(torch.int32), w)),
+        (TypeError, "x must be float16", (x.to(torch.complex64), w)),
+        (TypeError, "weight must have x's dtype", (x.half(), w.bfloat16())),
+        (ValueError, r"weight must have shape \[8\]", (x, torch.ones(7, device=DEVICE))),
+        (ValueError, "at least one dimension", (torch.tensor(1.0, device=DEVICE), w[:1])),
+        (TypeError, "must be torch.Tensors", (x.cpu().numpy(), w)),
+    ]
+    for exc, msg, args in cases:
+        with pytest.raises(exc, match=msg):
+            torch_api.rms_norm(*args)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        torch_api.rms_norm(x, w, -1.0)
+    other = "meta"
+    with pytest.raises(ValueError, match="weight must be on"):
+        torch_api.rms_norm(x, w.to(other))
+    if not GPU:
+        with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+            torch_api.rms_norm(x.to("meta"), w.to("meta"))
+    jx, jw = jnp.ones((4, 8)), jnp.ones(8)
+    jcases = [
+        (TypeError, "x must be float16", (jx.astype(jnp.int32), jw)),
+        (TypeError, "weight must have x's dtype", (jx.astype(jnp.float16), jw.astype(jnp.bfloat16))),
+        (ValueError, r"weight must have shape \[8\]", (jx, jnp.ones(3))),
+        (TypeError, "must be a jax array", ([1.0], jw)),
+    ]
+    for exc, msg, args in jcases:
+        with pytest.raises(exc, match=msg):
+            jax_api.rms_norm(*args)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        jax_api.rms_norm(jx, jw, -1e-6)
