@@ -209,3 +209,21 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, n_batch: int = 1) -> tuple[Launc
     block_n = min(next_pow2(n_cols), 256)
     reduce = Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), 4, {"BLOCK_P": 16, "BLOCK_N": block_n})
     return bwd, reduce
+
+
+def compile_variants():
+    """Every (launch, signature) the plans can choose, for the sm_90 compile check (xkern/compile_check.py)."""
+    pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+    dtype_pairs = [("bfloat16", "bfloat16")]
+    widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]
+    cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
+    pairs = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32"),
+             ("float16", "float32")]
+    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK + 1)]
+    for x_dtype, w_dtype, n_cols, n_rows in cases:
+        y_dtype = x_dtype if x_dtype == w_dtype else "float32"
+        ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
+                "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
+        bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols)
+        for launch in (plan_rms_norm_fwd(n_rows, n_cols), bwd, reduce):
+            yield launch, ptrs

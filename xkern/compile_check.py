@@ -1,0 +1,61 @@
+"""Compile every kernel variant the launch plans can choose for sm_90, on a machine without a GPU.
+
+Run in a process *without* TRITON_INTERPRET (the interpreter and the compiler cannot share a process):
+    python -m xkern.compile_check
+GPU-backend errors (layouts, register pressure, unsupported ops) then surface on CPU, in CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+OPS = ["xkern.rms_norm", "xkern.permute"]
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def signature(launch, pointer_types: dict) -> tuple[dict, dict]:
+    """Triton signature for `launch.kernel`: pointers from `pointer_types`, `eps` fp32, other scalars i32."""
+    sig, consts = {}, {}
+    for name in inspect.signature(launch.kernel.fn).parameters:
+        if name in launch.constexprs:
+            sig[name], consts[name] = "constexpr", launch.constexprs[name]
+        elif name in pointer_types:
+            sig[name] = pointer_types[name]
+        else:
+            sig[name] = "fp32" if name == "eps" else "i32"
+    return sig, consts
+
+
+def main() -> int:
+    seen, failures = set(), 0
+    for module_name in OPS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            continue
+        for launch, pointer_types in module.compile_variants():
+            sig, consts = signature(launch, pointer_types)
+            key = (launch.kernel.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())),
+                   launch.num_warps)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                compiled = triton.compile(ASTSource(launch.kernel, sig, consts), target=TARGET,
+                                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                assert "ptx" in compiled.asm and "cubin" in compiled.asm
+            except Exception as e:  # report every failing variant, not just the first
+                failures += 1
+                print(f"FAILED {key}: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"sm_90 compile check: {len(seen) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
