@@ -1,0 +1,64 @@
+"""GPU-only: large shapes, row offsets past 2**31 elements, both front ends bitwise equal on the GPU.
+
+Collected only where a GPU is present (conftest.py); on CPU the interpreter would take hours.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+from helpers import same_bits, to_numpy
+
+import jax_api
+import torch_api
+from xkern import reference as R
+
+EPS = 1e-6
+
+
+def _run_both(x, w, dy):
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ty = torch_api.rms_norm(tx, tw, EPS)
+    ty.backward(dy)
+    jx, jw, jdy = (jnp.asarray(to_numpy(a)) for a in (x, w, dy))
+    jy, vjp = jax.vjp(jax.jit(lambda x, w: jax_api.rms_norm(x, w, EPS)), jx, jw)
+    jdx, jdw = vjp(jdy)
+    return (ty, tx.grad, tw.grad), (jy, jdx, jdw)
+
+
+@pytest.mark.parametrize("shape", [(262144, 128), (32768, 128), (262144, 64), (65536, 256), (8192, 2048),
+                                   (4097, 4096), (1000, 8192), (333, 16384), (257, 32768), (129, 65536),
+                                   (65, 65537), (31, 100000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_shapes_oracle_and_parity(shape, dtype):
+    g = torch.Generator(device="cuda").manual_seed(hash(shape) % 2**31)
+    x = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    w = (1 + 0.5 * torch.randn(shape[-1], device="cuda", generator=g)).to(dtype)
+    dy = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    (ty, tdx, tdw), (jy, jdx, jdw) = _run_both(x, w, dy)
+    xn, wn, dyn = to_numpy(x), to_numpy(w), to_numpy(dy)
+    R.check(to_numpy(ty), R.rms_norm_fwd(xn, wn, EPS), "fwd")
+    dx_ref, dw_ref, dw_tol = R.rms_norm_bwd(xn, wn, dyn, EPS)
+    R.check(to_numpy(tdx), dx_ref, "dx")
+    R.check(to_numpy(tdw), dw_ref, "dw", dw_tol)
+    for a, b in ((jy, ty), (jdx, tdx), (jdw, tdw)):
+        assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("shape", [(16_777_300, 128), (32_800, 65_536), (32_800, 65_537)])
+def test_row_offsets_past_2_31_elements(shape):
+    """The last rows start past 2**31 elements: int32 offsets would wrap and read the wrong memory."""
+    rows, n = shape
+    assert rows * n > 2**31
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (1 + 0.5 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
+    y = torch_api.rms_norm(x, w, EPS)
+    tail = slice(rows - 3, rows)
+    R.check(to_numpy(y[tail]), R.rms_norm_fwd(to_numpy(x[tail]), to_numpy(w), EPS), "fwd")
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    dx, _ = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
+    dx_ref = R.rms_norm_bwd(to_numpy(x[tail]), to_numpy(w), to_numpy(dy[tail]), EPS)[0]
+    R.check(to_numpy(dx[tail]), dx_ref, "dx")
