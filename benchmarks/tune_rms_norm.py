@@ -43,7 +43,7 @@ def fwd_candidates(m, n):
             continue
         for w in (1, 2, 4, 8, 16, 32):
             per_thread = bm * bn // (32 * w)
-            if 4 <= per_thread <= 128:
+            if 8 <= per_thread <= 64:
                 out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {"BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
@@ -62,9 +62,9 @@ def bwd_candidates(m, n):
                 continue
             for w in (2, 4, 8, 16, 32):
                 per_thread = bm * bn // (32 * w)
-                if not 4 <= per_thread <= 64:
+                if not 8 <= per_thread <= 64:
                     continue
-                for ppsm in (1, 2, 4, 8):
+                for ppsm in (1, 2, 4):
                     g = min(cdiv(m, bm), 132 * ppsm)
                     out.append(Launch(K._rms_norm_bwd_kernel, (g, 1), w, {"BLOCK_M": bm, "BLOCK_N": bn}))
     return out
