@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import triton
@@ -34,10 +35,10 @@ def copy_ceiling() -> float:
 
 def fwd_candidates(m, n):
     bn = next_pow2(n)
-    if n > K.MAX_FWD_BLOCK:
-        return [Launch(K._rms_norm_fwd_chunked_kernel, (m,), w, {"BLOCK_N": c}) for c in (2048, 4096, 8192)
-                for w in (8, 16)]
     out = []
+    if n >= 16384:
+        out += [Launch(K._rms_norm_fwd_chunked_kernel, (m,), w, {"BLOCK_N": c}) for c in (2048, 4096, 8192)
+                for w in (4, 8, 16)]
     for bm in (1, 2, 4, 8, 16, 32, 64, 128):
         if bm * bn > 65536 or bm * bn < 256:
             continue
@@ -54,7 +55,7 @@ def bwd_candidates(m, n):
     for c in (2048, 4096, 8192):
         if n > 8192:
             for w in (8, 16):
-                for g in (132, 264):
+                for g in (66, 132, 264):
                     out.append(Launch(K._rms_norm_bwd_chunked_kernel, (min(m, g), 1), w, {"BLOCK_N": c}))
     if bn <= 32768:
         for bm in (1, 2, 4, 8, 16, 32, 64):
@@ -64,7 +65,7 @@ def bwd_candidates(m, n):
                 per_thread = bm * bn // (32 * w)
                 if not 8 <= per_thread <= 64:
                     continue
-                for ppsm in (1, 2, 4):
+                for ppsm in (1, 2, 4, 8, 16):
                     g = min(cdiv(m, bm), 132 * ppsm)
                     out.append(Launch(K._rms_norm_bwd_kernel, (g, 1), w, {"BLOCK_M": bm, "BLOCK_N": bn}))
     return out
@@ -98,6 +99,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--passes", default="fwd,bwd")
+    p.add_argument("--budget", type=float, default=18.0, help="seconds of sweeping per shape and pass")
     args = p.parse_args()
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -112,8 +114,10 @@ def main():
             nbytes = 2 * x.numel() * 2
             plan = K.plan_rms_norm_fwd(m, n)
             cands = [plan] + ([] if args.quick else fwd_candidates(m, n))
-            timed = []
+            timed, t0 = [], time.time()
             for c in cands:
+                if time.time() - t0 > args.budget:
+                    break
                 try:
                     timed.append((bench(lambda c=c: run_fwd(c, x, w, y)), c))
                 except Exception as e:  # a candidate that does not compile (registers) is just skipped
@@ -128,8 +132,10 @@ def main():
             nbytes = 3 * x.numel() * 2
             plan, reduce = K.plan_rms_norm_bwd(m, n)
             cands = [plan] + ([] if args.quick else bwd_candidates(m, n))
-            timed = []
+            timed, t0 = [], time.time()
             for c in cands:
+                if time.time() - t0 > args.budget:
+                    break
                 try:
                     timed.append((bench(run_bwd(c, reduce, x, w, dy, dx, dw)), c))
                 except Exception as e:

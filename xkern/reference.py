@@ -52,7 +52,7 @@ def rms_norm_bwd(x, w, dy, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarr
     g = _round(_round(dy64 * w64, out_dtype), x.dtype)
     dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
     terms = _round(dy64 * _round(n, x.dtype), out_dtype).reshape(-1, x.shape[-1])
-    dw_tol = np.abs(terms).sum(axis=0) * 2.0 ** -(np.finfo(np_dtype(x.dtype)).nmant + 1)
+    dw_tol = np.abs(terms).sum(axis=0) * 2.0 ** -(ml_dtypes.finfo(np_dtype(x.dtype)).nmant + 1)
     return dx, terms.sum(axis=0), dw_tol
 
 
@@ -111,3 +111,52 @@ def check(out, ref64, kind: str, abs_ok=None) -> dict:
         assert stats["rel_l2"] <= 1e-6, f"{kind}: {stats}"
         assert stats["max_err_rel_to_max_ref"] <= 1e-5, f"{kind}: {stats}"
     return stats
+
+
+# ---------------------------------------------------------------------------------------------------
+# Padded expert row gather for MoE (xkern/permute.py): plain loops over the contract, exact integers.
+
+
+def generate_permute_indices(counts, experts_per_rank: int, num_ranks: int, max_len: int,
+                             alignment: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(permuted_indices [max_len] int32, m_sizes [E] int32, m_offsets [E] int32), torchtitan's
+    contract: counts rank-major, each expert's block rounded up to `alignment` (at least one block),
+    rows by rank then arrival inside a block, -1 at padding; rows past max_len are dropped."""
+    counts = np.asarray(counts, np.int64).reshape(num_ranks, experts_per_rank)
+    row_start = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
+    totals = counts.sum(axis=0)
+    m_sizes = -(-np.maximum(totals, alignment) // alignment) * alignment
+    m_offsets = np.cumsum(m_sizes)
+    out = np.full(max_len, -1, np.int64)
+    for e in range(experts_per_rank):
+        slot = int(m_offsets[e] - m_sizes[e])
+        for r in range(num_ranks):
+            for k in range(int(counts[r, e])):
+                if slot < max_len:
+                    out[slot] = row_start[r, e] + k
+                slot += 1
+    return out.astype(np.int32), m_sizes.astype(np.int32), m_offsets.astype(np.int32)
+
+
+def permute_rows(x: np.ndarray, idx) -> np.ndarray:
+    """out[i] = x[idx[i]], a +0.0 row where idx[i] == -1 (bits of x copied as they are)."""
+    out = np.zeros((len(idx), x.shape[1]), x.dtype)
+    for i, r in enumerate(np.asarray(idx)):
+        if r >= 0:
+            out[i] = x[r]
+    return out
+
+
+def inverse_permutation(idx, num_rows: int) -> np.ndarray:
+    """inv[idx[i]] = i for the valid slots, -1 for rows no slot names; idx's dtype."""
+    idx = np.asarray(idx)
+    inv = np.full(num_rows, -1, idx.dtype)
+    for i, r in enumerate(idx):
+        if r >= 0:
+            inv[r] = i
+    return inv
+
+
+def unpermute_rows(y: np.ndarray, idx, num_rows: int) -> np.ndarray:
+    """out[r] = y[inv[r]], a +0.0 row for rows no slot names; padding rows of y are never read."""
+    return permute_rows(y, inverse_permutation(idx, num_rows))

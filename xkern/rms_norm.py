@@ -73,8 +73,10 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers.
+    # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. The next
+    # tile's loads are issued before this tile's math (register double buffering) to hide DRAM latency.
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     batch = tl.program_id(1).to(tl.int64)
     X += batch * n_rows * x_row_stride
     DY += batch * n_rows * dy_row_stride
@@ -83,23 +85,29 @@ def _rms_norm_bwd_kernel(
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], tl.float32)
-    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        cur_rows, cur_mask = rows, mask
+        rows = (tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)[:, None]
-        x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
         n = x * rstd
         n_lp = n.to(X.dtype.element_ty).to(tl.float32)
         g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
         # where(): a masked row with eps == 0 has rstd = inf and n = nan; keep it out of dw.
-        dw_acc += tl.sum(tl.where(mask, (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), 0.0), axis=0)
+        dw_acc += tl.sum(tl.where(cur_mask, (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), 0.0), axis=0)
         mean_gn = tl.sum(g * n, axis=1)[:, None] / n_cols
         dx = rstd * (g - n * mean_gn)
-        tl.store(DX + rows * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    partial = batch * tl.num_programs(0) + pid
-    tl.store(DW_PARTIAL + partial * n_cols + cols, dw_acc, mask=col_mask)
+        out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
+        tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
+    tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
 
 
 @triton.jit

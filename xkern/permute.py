@@ -1,0 +1,261 @@
+"""Padded expert row gather for MoE: kernels, launch plans and the host-side permutation check.
+
+Contract (torchtitan's `generate_permute_indices`): `counts[r * E + e]` tokens of local expert `e` come
+from rank `r` (E = experts_per_rank); they arrive rank-major, so the source row of the k-th of them is
+    row_start[r, e] + k,   row_start[r, e] = sum of counts before index r * E + e.
+Each expert gets a block of the padded, expert-major buffer:
+    m_sizes[e]   = roundup(max(sum_r counts[r, e], alignment), alignment)      (int32)
+    m_offsets[e] = m_sizes[0] + ... + m_sizes[e]                               (int32, inclusive)
+and inside its block, starting at m_offsets[e] - m_sizes[e], rows are ordered by rank, then by arrival.
+`permuted_indices[s]` (int32, s < max_len) is the source row of slot s, or -1 at padding and past the last
+block; rows whose slot would be >= max_len are dropped.
+
+Kernels (plans are fixed, from shapes and element sizes only, so both front ends launch the same binaries):
+  _gather_rows_kernel      out[i, :] = src[idx[i], :], a zero row where idx[i] is -1 (or out of range):
+                           permute_rows (idx = permuted_indices), unpermute_rows (idx = inverse) and
+                           both backwards.
+  _scatter_inverse_kernel  raw[idx[i]] = i for valid slots, into an uninitialised buffer;
+  _settle_inverse_kernel   inv[r] = raw[r] if idx[raw[r]] == r else -1: rows no slot names (dropped past
+                           max_len) get -1 without a pre-fill, which a JAX kernel output cannot have.
+  _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
+  _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from xkern.launch import Launch, cdiv, next_pow2
+
+
+@triton.jit
+def _gather_rows_kernel(
+    SRC, IDX, OUT,
+    n_rows, n_cols, n_src_rows, src_row_stride,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
+    # -1 is padding; an out-of-range index (possible only without validate=True) also gives a zero row,
+    # never a stray read.
+    hit = ((src >= 0) & (src < n_src_rows))[:, None]
+    src_ptr = SRC + src[:, None] * src_row_stride
+    out_ptr = OUT + rows.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        col_mask = (cols < n_cols)[None, :]
+        vals = tl.load(src_ptr + cols[None, :], mask=hit & col_mask, other=0.0)
+        tl.store(out_ptr + cols[None, :], vals, mask=row_mask[:, None] & col_mask)
+
+
+@triton.jit
+def _scatter_inverse_kernel(IDX, RAW, n_slots, n_rows, BLOCK: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = slots < n_slots
+    rows = tl.load(IDX + slots, mask=in_bounds, other=-1).to(tl.int64)
+    ok = in_bounds & (rows >= 0) & (rows < n_rows)
+    tl.store(RAW + rows, slots.to(RAW.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _settle_inverse_kernel(IDX, RAW, INV, n_slots, n_rows, BLOCK: tl.constexpr):
+    # RAW is uninitialised where no slot named the row: keep a value only if it points back at the row.
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = rows < n_rows
+    slot = tl.load(RAW + rows, mask=in_bounds, other=-1).to(tl.int64)
+    ok = in_bounds & (slot >= 0) & (slot < n_slots)
+    back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (back == rows.to(tl.int64))
+    tl.store(INV + rows, tl.where(ok, slot, -1).to(INV.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _expert_sizes_kernel(
+    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
+    n_experts, n_ranks, alignment,
+    BLOCK_E: tl.constexpr,
+):
+    # ROW_START[r, e]: source row of the first token of (r, e). RANK_BEGIN[r, e]: where rank r's tokens
+    # start inside expert e's block (ranks before r, summed). Both [n_ranks, n_experts] int32.
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < n_experts
+    base = tl.zeros([BLOCK_E], tl.int64)   # tokens of all earlier ranks (the same in every lane)
+    total = tl.zeros([BLOCK_E], tl.int64)  # tokens of expert e from earlier ranks
+    for r in range(n_ranks):
+        at = r * n_experts + e
+        c = tl.load(COUNTS + at, mask=e_mask, other=0).to(tl.int64)
+        tl.store(ROW_START + at, (base + tl.cumsum(c, axis=0) - c).to(tl.int32), mask=e_mask)
+        tl.store(RANK_BEGIN + at, total.to(tl.int32), mask=e_mask)
+        total += c
+        base += tl.sum(c, axis=0)
+    size = tl.maximum(total, alignment)
+    size = tl.where(e_mask, (size + alignment - 1) // alignment * alignment, 0)
+    tl.store(M_SIZES + e, size.to(tl.int32), mask=e_mask)
+    tl.store(M_OFFSETS + e, tl.cumsum(size, axis=0).to(tl.int32), mask=e_mask)
+
+
+@triton.jit
+def _fill_indices_kernel(
+    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, OUT,
+    max_len, n_experts, n_ranks,
+    BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
+):
+    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    # Expert of the slot: how many m_offsets are <= slot (n_experts past the last block). Upper-bound
+    # binary search; STEPS_E = bit_length(n_experts) halvings always reach lo == hi.
+    lo = tl.zeros([BLOCK_S], tl.int32)
+    hi = tl.zeros([BLOCK_S], tl.int32) + n_experts
+    for _ in range(STEPS_E):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(M_OFFSETS + mid, mask=active, other=0) <= slots
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    has_expert = lo < n_experts
+    e = tl.minimum(lo, n_experts - 1)
+    local = slots - tl.load(M_OFFSETS + e) + tl.load(M_SIZES + e)  # position inside the expert's block
+    # Rank: the last r with RANK_BEGIN[r, e] <= local (ranks with no tokens share a begin; the last wins).
+    lo = tl.zeros([BLOCK_S], tl.int32)
+    hi = tl.zeros([BLOCK_S], tl.int32) + n_ranks
+    for _ in range(STEPS_R):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(RANK_BEGIN + mid * n_experts + e, mask=active, other=0) <= local
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    at = tl.maximum(lo - 1, 0) * n_experts + e
+    within = local - tl.load(RANK_BEGIN + at)
+    valid = has_expert & (within < tl.load(COUNTS + at).to(tl.int32))
+    src = tl.load(ROW_START + at) + within
+    tl.store(OUT + slots, tl.where(valid, src, -1), mask=slots < max_len)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans: fixed (no autotuning), from shapes and the element size only.
+
+ROW_CHUNK_BYTES = 2048  # columns per inner-loop step: 1024 bf16, 512 fp32 (7168 = 7 x 1024, no tail)
+TILE_BYTES = 16384      # bytes per loop step: 8 rows x 1024 bf16; 8 warps move 4 16-byte vectors a thread
+MAX_BLOCK_M = 1024      # rows per program for very narrow rows
+INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
+
+
+def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int) -> Launch:
+    """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
+
+    Call: `kernel[grid](src, idx, out, n_rows=, n_cols=, n_src_rows=, src_row_stride=)`; out is
+    contiguous [n_rows, n_cols], src's last dim contiguous."""
+    block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
+    block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
+    num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
+    return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps,
+                  {"BLOCK_M": block_m, "BLOCK_H": block_h})
+
+
+def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, Launch]:
+    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows.
+
+    Calls: `scatter[grid](idx, raw, n_slots=, n_rows=)`, `settle[grid](idx, raw, inv, n_slots=, n_rows=)`."""
+    scatter = Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
+    settle = Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
+    return scatter, settle
+
+
+def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, Launch]:
+    """The one-program size/offset pass and the per-slot fill.
+
+    Calls: `sizes[(1,)](counts, m_sizes, m_offsets, row_start, rank_begin, n_experts=, n_ranks=, alignment=)`
+    and `fill[grid](counts, m_sizes, m_offsets, row_start, rank_begin, out, max_len=, n_experts=, n_ranks=)`;
+    row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
+    block_e = next_pow2(experts_per_rank)
+    sizes = Launch(_expert_sizes_kernel, (1,), max(1, min(8, block_e // 256)), {"BLOCK_E": block_e})
+    fill = Launch(_fill_indices_kernel, (max(1, cdiv(max_len, INDEX_BLOCK)),), 4,
+                  {"BLOCK_S": INDEX_BLOCK, "STEPS_E": experts_per_rank.bit_length(),
+                   "STEPS_R": num_ranks.bit_length()})
+    return sizes, fill
+
+
+def compile_variants() -> list[tuple[Launch, dict]]:
+    """Every (kernel, constexprs) the plans can choose, with a triton 3.6 `ASTSource` signature
+    (constexpr parameters are listed as "constexpr"; their values are `launch.constexprs`):
+    `triton.compile(ASTSource(l.kernel, sig, l.constexprs), target=..., options={"num_warps": l.num_warps})`.
+    The generate-indices kernels are listed for a few expert/rank counts (their constexprs depend on them)."""
+    variants = []
+    ptr = {2: ("*bf16", "*fp16"), 4: ("*fp32",)}
+    for elem_size, dtypes in ptr.items():
+        seen = set()
+        for log_cols in range(0, 16):
+            plan = plan_gather_rows(1024, 1 << log_cols, elem_size)
+            key = tuple(plan.constexprs.values())
+            if key in seen:
+                continue
+            seen.add(key)
+            for dtype in dtypes:
+                for index in ("*i32", "*i64"):
+                    sig = {"SRC": dtype, "IDX": index, "OUT": dtype, "n_rows": "i32", "n_cols": "i32",
+                           "n_src_rows": "i32", "src_row_stride": "i64", "BLOCK_M": "constexpr",
+                           "BLOCK_H": "constexpr"}
+                    variants.append((plan, sig))
+    for index in ("*i32", "*i64"):
+        scatter, settle = plan_inverse(4096, 4096)
+        variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
+                                   "BLOCK": "constexpr"}))
+        variants.append((settle, {"IDX": index, "RAW": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
+                                  "BLOCK": "constexpr"}))
+    for experts, ranks in ((1, 1), (8, 1), (4, 64), (32, 8), (256, 1)):
+        sizes, fill = plan_generate_indices(experts, ranks, 65536)
+        for counts in ("*i32", "*i64"):
+            variants.append((sizes, {"COUNTS": counts, "M_SIZES": "*i32", "M_OFFSETS": "*i32",
+                                     "ROW_START": "*i32", "RANK_BEGIN": "*i32", "n_experts": "i32",
+                                     "n_ranks": "i32", "alignment": "i32", "BLOCK_E": "constexpr"}))
+            variants.append((fill, {"COUNTS": counts, "M_SIZES": "*i32", "M_OFFSETS": "*i32",
+                                    "ROW_START": "*i32", "RANK_BEGIN": "*i32", "OUT": "*i32", "max_len": "i32",
+                                    "n_experts": "i32", "n_ranks": "i32", "BLOCK_S": "constexpr",
+                                    "STEPS_E": "constexpr", "STEPS_R": "constexpr"}))
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host-side checks (validate=True), shared by both front ends.
+
+
+def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indices") -> None:
+    """Raise ValueError unless the entries of `idx` other than -1 map one-to-one onto 0..num_rows-1,
+    naming the first out-of-range, duplicate or missing index."""
+    idx = np.asarray(idx).astype(np.int64).reshape(-1)
+    bad = np.flatnonzero((idx < -1) | (idx >= num_rows))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(idx[i])} is out of range: entries must be -1 or in "
+                         f"[0, {num_rows}) (num_rows={num_rows})")
+    slots = np.flatnonzero(idx >= 0)
+    rows = idx[slots]
+    order = np.argsort(rows, kind="stable")
+    dup = np.flatnonzero(rows[order][1:] == rows[order][:-1])
+    if dup.size:
+        first, second = sorted(int(slots[order[j]]) for j in (dup[0], dup[0] + 1))
+        raise ValueError(f"{name} names row {int(rows[order][dup[0]])} twice: at slots {first} and {second}")
+    if rows.size != num_rows:
+        seen = np.zeros(num_rows, bool)
+        seen[rows] = True
+        missing = int(np.flatnonzero(~seen)[0])
+        raise ValueError(f"{name} never names row {missing}: {num_rows - rows.size} of {num_rows} rows are "
+                         f"missing (dropped past max_len?)")
+
+
+def check_counts(counts: np.ndarray, experts_per_rank: int, alignment: int, max_len: int) -> None:
+    """validate=True for generate_permute_indices: counts >= 0 and every token gets a slot < max_len."""
+    counts = np.asarray(counts).astype(np.int64).reshape(-1)
+    neg = np.flatnonzero(counts < 0)
+    if neg.size:
+        raise ValueError(f"tokens_per_expert_group[{int(neg[0])}] = {int(counts[neg[0]])} is negative")
+    totals = counts.reshape(-1, experts_per_rank).sum(axis=0)
+    sizes = -(-np.maximum(totals, alignment) // alignment) * alignment
+    ends = np.cumsum(sizes) - sizes + totals  # one past each expert's last real row
+    over = np.flatnonzero(ends > max_len)
+    if over.size:
+        e = int(over[0])
+        raise ValueError(f"max_len={max_len} is too small: expert {e}'s rows end at slot {int(ends[e])}, and "
+                         f"rows past max_len would be dropped (all rows fit from max_len={int(ends.max())})")
