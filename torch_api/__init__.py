@@ -1,5 +1,13 @@
 """PyTorch front end of xkern: autograd-aware ops registered with torch.library."""
 
+from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
-__all__ = ["RMSNorm", "rms_norm"]
+__all__ = [
+    "RMSNorm",
+    "generate_permute_indices",
+    "inverse_permutation",
+    "permute_rows",
+    "rms_norm",
+    "unpermute_rows",
+]

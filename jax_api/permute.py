@@ -1,0 +1,214 @@
+"""Padded expert row gather for MoE in JAX: `generate_permute_indices`, `permute_rows`,
+`inverse_permutation`, `unpermute_rows`; usable under jit and grad of any order.
+
+`permute_rows` and `unpermute_rows` are `jax.custom_vjp` functions whose backward is the other one (a
+gather through the inverse permutation, never a scatter-add); the index array is an integer input, so
+its cotangent is None (symbolic zero). Contract and kernels: see `xkern/permute.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_api._launch import call
+from xkern.permute import (
+    check_counts,
+    check_permutation,
+    plan_gather_rows,
+    plan_generate_indices,
+    plan_inverse,
+)
+
+_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
+_INDEX = (jnp.int32, jnp.int64)
+
+
+def _gather(x, idx, n_out: int):
+    """out[i] = x[idx[i]] (zero row at -1), [n_out, H]."""
+    n_cols = x.shape[1]
+    if n_out == 0 or n_cols == 0 or x.shape[0] == 0:  # nothing to read: zero tokens give padding only
+        return jnp.zeros((n_out, n_cols), x.dtype)
+    plan = plan_gather_rows(n_out, n_cols, x.dtype.itemsize)
+    (out,) = call(plan, [x, idx], [jax.ShapeDtypeStruct((n_out, n_cols), x.dtype)], n_rows=n_out,
+                  n_cols=n_cols, n_src_rows=x.shape[0], src_row_stride=n_cols)
+    return out
+
+
+def _inverse(idx, num_rows: int):
+    if num_rows == 0 or idx.shape[0] == 0:
+        return jnp.full((num_rows,), -1, idx.dtype)
+    scatter, settle = plan_inverse(idx.shape[0], num_rows)
+    out = jax.ShapeDtypeStruct((num_rows,), idx.dtype)
+    scalars = {"n_slots": idx.shape[0], "n_rows": num_rows}
+    (raw,) = call(scatter, [idx], [out], **scalars)
+    (inv,) = call(settle, [idx, raw], [out], **scalars)
+    return inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _permute(num_rows, x, idx):
+    return _gather(x, idx, idx.shape[0])
+
+
+def _permute_fwd(num_rows, x, idx):
+    return _permute(num_rows, x, idx), idx
+
+
+def _permute_bwd(num_rows, idx, dout):
+    return _unpermute(num_rows, dout, idx), None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unpermute(num_rows, y, idx):
+    return _gather(y, _inverse(idx, num_rows), num_rows)
+
+
+def _unpermute_fwd(num_rows, y, idx):
+    return _unpermute(num_rows, y, idx), idx
+
+
+def _unpermute_bwd(num_rows, idx, dout):
+    return _permute(num_rows, dout, idx), None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public functions: argument checks, then the kernels.
+
+
+def _check_array(name: str, a) -> None:
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
+
+
+def _check_rows(name: str, x) -> None:
+    _check_array(name, x)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [rows, hidden], got shape {list(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def _check_index(name: str, idx, like=None) -> None:
+    _check_array(name, idx)
+    if idx.dtype not in _INDEX:
+        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(idx.shape)}")
+    if like is not None:
+        devices = [_devices(a) for a in (idx, like)]
+        if None not in devices and devices[0] != devices[1]:
+            raise ValueError(f"{name} must be on {devices[1]} like the other inputs, got {devices[0]}")
+
+
+def _devices(a):
+    try:
+        return a.devices()
+    except Exception:  # tracers and numpy arrays have no committed device
+        return None
+
+
+def _check_count(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return int(n)
+
+
+def _host(name: str, a) -> np.ndarray:
+    """validate=True reads the indices on the host: they must be concrete (not traced under jit)."""
+    try:
+        return np.asarray(a)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"validate=True needs a concrete {name} (call it outside jit)") from None
+
+
+def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num_ranks: int, max_len: int,
+                             alignment: int, validate: bool = False):
+    """torchtitan's padded, expert-major layout, computed on the device (no host sync).
+
+    tokens_per_expert_group: [num_ranks * experts_per_rank] int32/int64, rank-major (`r * E + e`); rows
+    arrive in that order. Returns `(permuted_indices [max_len] int32, m_sizes [E] int32, m_offsets [E]
+    int32)`: m_sizes[e] = roundup(max(sum_r counts[r, e], alignment), alignment), m_offsets its inclusive
+    cumsum, permuted_indices[s] the source row of slot s (rank, then arrival order inside an expert's
+    block) or -1 at padding / past the last block. Rows whose slot is >= max_len are dropped; with
+    `validate=True` (concrete counts only) that, or a negative count, is a ValueError. alignment >= 1.
+    """
+    counts = tokens_per_expert_group
+    _check_index("tokens_per_expert_group", counts)
+    experts_per_rank = _check_count("experts_per_rank", experts_per_rank)
+    num_ranks = _check_count("num_ranks", num_ranks)
+    if experts_per_rank < 1 or num_ranks < 1:
+        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
+    max_len = _check_count("max_len", max_len)
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
+        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1 (1 means no padding but for empty experts), got {alignment}")
+    if counts.shape[0] != experts_per_rank * num_ranks:
+        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
+                         f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
+    if validate:
+        check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
+    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
+    per_expert = jax.ShapeDtypeStruct((experts_per_rank,), jnp.int32)
+    table = jax.ShapeDtypeStruct((counts.shape[0],), jnp.int32)
+    m_sizes, m_offsets, row_start, rank_begin = call(
+        sizes, [counts], [per_expert, per_expert, table, table],
+        n_experts=experts_per_rank, n_ranks=num_ranks, alignment=int(alignment))
+    if max_len == 0:
+        return jnp.zeros((0,), jnp.int32), m_sizes, m_offsets
+    (out,) = call(fill, [counts, m_sizes, m_offsets, row_start, rank_begin],
+                  [jax.ShapeDtypeStruct((max_len,), jnp.int32)],
+                  max_len=max_len, n_experts=experts_per_rank, n_ranks=num_ranks)
+    return out, m_sizes, m_offsets
+
+
+def permute_rows(x, permuted_indices, validate: bool = False):
+    """`out[i] = x[permuted_indices[i]]`, a zero row where the index is -1: [len(permuted_indices), H].
+
+    x: [num_rows, H] float16/bfloat16/float32. permuted_indices: int32/int64, -1 or a row of x.
+    Differentiable in x (custom_vjp): dx = dout gathered through the inverse permutation
+    (`unpermute_rows`). `validate=True` (concrete indices only) checks the valid entries are a
+    one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
+    """
+    _check_rows("x", x)
+    _check_index("permuted_indices", permuted_indices, like=x)
+    if validate:
+        check_permutation(_host("permuted_indices", permuted_indices), x.shape[0])
+    return _permute(x.shape[0], x, permuted_indices)
+
+
+def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False):
+    """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
+    index dtype. With duplicates (validate=False) one of the slots wins."""
+    _check_index("permuted_indices", permuted_indices)
+    num_rows = _check_count("num_rows", num_rows)
+    if validate:
+        check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+    return _inverse(permuted_indices, num_rows)
+
+
+def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):
+    """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
+    a zero row for rows no slot names; padding rows of y are never read. Differentiable in y
+    (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding)."""
+    _check_rows("y", y)
+    _check_index("permuted_indices", permuted_indices, like=y)
+    num_rows = _check_count("num_rows", num_rows)
+    if permuted_indices.shape[0] != y.shape[0]:
+        raise ValueError(f"y must have one row per slot of permuted_indices ({permuted_indices.shape[0]}), "
+                         f"got {y.shape[0]}")
+    if validate:
+        check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+    return _unpermute(num_rows, y, permuted_indices)
