@@ -182,23 +182,26 @@ def _dw_reduce_kernel(
 # Launch plans. Fixed offline from benchmarks/ (no runtime autotuning: it would break determinism and
 # torch/JAX parity). Inputs are shapes and the element size only.
 
-MAX_FWD_BLOCK = 65536  # widest row held in registers by the forward (32 warps x 64 fp32 per thread)
-MAX_BWD_BLOCK = 16384  # the backward holds x, dy and the dw partial: a third of the forward's room
-CHUNK = 4096           # column chunk of the *_chunked kernels
-TILE_ELEMS = 4096      # elements per tile for multi-row tiles
+MAX_FWD_BLOCK = 32768  # widest row the forward holds in registers (32 warps x 32 fp32 per thread)
+MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
+CHUNK = 8192           # column chunk of the *_chunked kernels
 
-
-def _tile(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    block_n = next_pow2(n_cols)
-    block_m = max(1, min(TILE_ELEMS // block_n, next_pow2(n_rows)))
-    num_warps = max(1, min(32, block_m * block_n // 512))
-    return block_m, block_n, num_warps
+# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM). From benchmarks/tune_rms_norm.py
+# on an H200 (bf16, 2026-12-02): small tiles with few warps and several programs per SM for narrow
+# rows; one row and many warps for wide rows.
+_BWD_TILES = {64: (64, 2, 4), 128: (32, 2, 4), 256: (64, 8, 1), 512: (8, 8, 2), 1024: (4, 8, 2),
+              2048: (2, 8, 2), 4096: (4, 16, 1), 8192: (1, 16, 1), 16384: (1, 32, 1)}
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int) -> Launch:
     if n_cols > MAX_FWD_BLOCK:
         return Launch(_rms_norm_fwd_chunked_kernel, (n_rows,), 16, {"BLOCK_N": CHUNK})
-    block_m, block_n, num_warps = _tile(n_rows, n_cols)
+    block_n = next_pow2(n_cols)
+    if block_n <= 256:  # narrow rows: 1024-element tiles of many rows
+        block_m, num_warps = 1024 // block_n, (4 if block_n == 128 else 2)
+    else:  # a row per program, 16 elements per thread
+        block_m, num_warps = 1, max(1, min(32, block_n // 512))
+    block_m = max(1, min(block_m, next_pow2(n_rows)))
     return Launch(_rms_norm_fwd_kernel, (cdiv(n_rows, block_m),), num_warps,
                   {"BLOCK_M": block_m, "BLOCK_N": block_n})
 
@@ -206,16 +209,17 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int) -> Launch:
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, n_batch: int = 1) -> tuple[Launch, Launch]:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). Partials are [n_batch, bwd.grid[0], n_cols] fp32."""
+    block_n = next_pow2(n_cols)
     if n_cols > MAX_BWD_BLOCK:
         grid = max(1, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_chunked_kernel, (grid, n_batch), 16, {"BLOCK_N": CHUNK})
     else:
-        block_m, block_n, num_warps = _tile(n_rows, n_cols)
-        programs_per_sm = max(1, 16 // num_warps)
+        block_m, num_warps, programs_per_sm = _BWD_TILES[max(block_n, 64)]
+        block_m = max(1, min(block_m, next_pow2(n_rows)))
         grid = max(1, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (grid, n_batch), num_warps, {"BLOCK_M": block_m, "BLOCK_N": block_n})
-    block_n = min(next_pow2(n_cols), 256)
-    reduce = Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), 4, {"BLOCK_P": 16, "BLOCK_N": block_n})
+    block_n = min(block_n, 128)
+    reduce = Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), 4, {"BLOCK_P": 32, "BLOCK_N": block_n})
     return bwd, reduce
 
 
@@ -223,7 +227,7 @@ def compile_variants():
     """Every (launch, signature) the plans can choose, for the sm_90 compile check (xkern/compile_check.py)."""
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
     dtype_pairs = [("bfloat16", "bfloat16")]
-    widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]
+    widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32"),
              ("float16", "float32")]
