@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU validation run (H200 through the device tool): the whole test suite on compiled kernels, then a
+# subset under compute-sanitizer memcheck. Logs go to $1 (default tests/gpu_logs). Needs jax-triton
+# (carried as a wheel in .whl/, see scripts/setup.sh).
+source "$(dirname "$0")/setup.sh"
+LOGS=${1:-tests/gpu_logs}
+mkdir -p "$LOGS"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+{
+  echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+  "$PY" -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax_triton', jax_triton.__version__, 'numpy', numpy.__version__)"
+  "$PY" -m pytest -q -p no:cacheprovider -rf tests/ 2>&1
+} | tee "$LOGS/gpu_suite.log"
+{
+  echo "# $(date -u +%FT%TZ) compute-sanitizer --tool memcheck, PYTORCH_NO_CUDA_MEMORY_CACHING=1"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 "$PY" tests/gpu_sanitize.py 2>&1
+} | tee "$LOGS/memcheck.log" | tail -5
