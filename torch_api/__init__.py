@@ -1,10 +1,14 @@
 """PyTorch front end of xkern: autograd-aware ops registered with torch.library."""
 
+from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
 __all__ = [
+    "EPHandle",
     "RMSNorm",
+    "ep_combine",
+    "ep_dispatch",
     "generate_permute_indices",
     "inverse_permutation",
     "permute_rows",

@@ -1,0 +1,88 @@
+"""Expert-parallel dispatch/combine for MoE in JAX, for use inside `jax.shard_map`, around the xkern ops.
+
+    def step(x, topk_ids, topk_weights):                  # per shard, inside shard_map over axis "ep"
+        xp, m_sizes, m_offsets, handle = ep_dispatch(x, topk_ids, num_experts, "ep", capacity)
+        yp = experts(xp, m_sizes, m_offsets)
+        return ep_combine(yp, topk_weights, handle)
+
+Same layout as torch_api.ep (rank r owns experts [r * E_local, (r + 1) * E_local); blocks from
+`generate_permute_indices`), but with static shapes: each shard sends a fixed `capacity` rows to every
+rank through `jax.lax.all_to_all` (tiled), so no host sync at all; the exchanged per-expert counts
+travel in a second all_to_all and say which received rows are real. Rows past `capacity` for one
+destination rank are dropped (they contribute zero to the combined output, and get zero gradient).
+`ragged_all_to_all` would avoid the padding, but XLA's CPU backend does not implement it, and the
+fixed-capacity form also runs on GPUs. Differentiable: all_to_all transposes to the reverse
+all_to_all, the permutes are custom_vjp gathers. Under `jax.grad` the shard_map needs `check_vma=False`:
+the permutes' custom_vjp backward (a pure_callback on CPU) drops the varying-manual-axis type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
+
+
+@dataclass(frozen=True)
+class EPHandle:
+    """What `ep_combine` needs (use it inside the same shard_map'ed function as the dispatch)."""
+
+    permuted_indices: jax.Array  # [max_len]: received-buffer row of each padded slot, -1 at padding
+    send_indices: jax.Array      # [world * capacity]: (t*K + k) of each sent row, -1 at padding
+    axis_name: str
+
+
+def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, alignment: int = 16,
+                max_len: int | None = None):
+    """Send each token's rows to the ranks owning its top-k experts; lay them out expert-major, padded.
+
+    x: [T, H] per shard; topk_ids: [T, K] global expert ids. capacity: rows sent to each rank (T * K
+    never drops). Returns `(xp [max_len, H], m_sizes [E_local], m_offsets [E_local], handle)`, blocks as
+    in `generate_permute_indices`, zero rows at padding and past the last block. max_len defaults to the
+    bound world * capacity + E_local * alignment, which every layout fits.
+    """
+    world = jax.lax.axis_size(axis_name)
+    if num_experts % world:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of the axis size {world}")
+    e_local = num_experts // world
+    num_tokens, top_k = topk_ids.shape
+    max_len = world * capacity + e_local * alignment if max_len is None else max_len
+
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # destination rank, expert, then (t, k)
+    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1).reshape(world, e_local)
+    # Keep the first `capacity` rows per destination; clip the per-expert counts to what is sent.
+    before = jnp.cumsum(counts, axis=1) - counts
+    counts = jnp.clip(capacity - before, 0, counts)
+    per_rank = counts.sum(1)
+    start = jnp.cumsum(jnp.bincount(flat // e_local, length=world)) - jnp.bincount(flat // e_local, length=world)
+    j = jnp.arange(capacity)
+    pos = (start[:, None] + j[None, :]).reshape(-1)
+    send_idx = jnp.where((j[None, :] < per_rank[:, None]).reshape(-1),
+                         order[jnp.clip(pos, 0, max(num_tokens * top_k - 1, 0))], -1).astype(jnp.int32)
+
+    rows = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, x.shape[1])).reshape(num_tokens * top_k, -1)
+    send = permute_rows(rows, send_idx)  # [world * capacity, H], zero rows past each rank's count
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # block s: from rank s
+    recv_counts = jax.lax.all_to_all(counts.reshape(-1), axis_name, 0, 0, tiled=True)  # [s * E_local + e]
+
+    # The layout indexes rows as if they arrived densely; map them to the fixed-capacity blocks.
+    dense, m_sizes, m_offsets = generate_permute_indices(recv_counts, e_local, world, max_len, alignment)
+    recv_per_rank = recv_counts.reshape(world, e_local).sum(1)
+    dense_start = jnp.cumsum(recv_per_rank) - recv_per_rank
+    src = jnp.clip(jnp.searchsorted(dense_start, dense, side="right") - 1, 0, world - 1)
+    idx = jnp.where(dense >= 0, src * capacity + dense - dense_start[src], -1).astype(jnp.int32)
+    xp = permute_rows(recv, idx)
+    return xp, m_sizes, m_offsets, EPHandle(idx, send_idx, axis_name)
+
+
+def ep_combine(expert_out, topk_weights, handle: EPHandle):
+    """`out[t] = sum_k w[t, k] * expert_out[slot of (t, k)]` (zero for dropped rows): [T, H']."""
+    num_tokens, top_k = topk_weights.shape
+    recv = unpermute_rows(expert_out, handle.permuted_indices, handle.send_indices.shape[0])
+    back = jax.lax.all_to_all(recv, handle.axis_name, 0, 0, tiled=True)
+    rows = unpermute_rows(back, handle.send_indices, num_tokens * top_k).reshape(num_tokens, top_k, -1)
+    return (rows * topk_weights.astype(rows.dtype)[..., None]).sum(1)

@@ -1,0 +1,120 @@
+"""Expert-parallel dispatch/combine for MoE over `torch.distributed`, around the xkern permute ops.
+
+    xp, m_sizes, m_offsets, handle = ep_dispatch(x, topk_ids, num_experts, group)
+    yp = grouped_gemm(xp, m_sizes, m_offsets)          # the user's experts, one aligned block per expert
+    out = ep_combine(yp, topk_weights, handle)         # out[t] = sum_k w[t, k] * yp[row of (t, k)]
+
+Experts are sharded contiguously: rank r of the group owns experts [r * E_local, (r + 1) * E_local).
+Dispatch: the T*K (token, k) assignments are sorted by destination expert (a stable argsort, so
+destination rank-major, then expert, then (t, k) order), the per-expert counts go out with one
+`all_to_all_single`, the rows follow with another, and the received rows (source rank-major, then
+expert) are laid out expert-major and padded with `generate_permute_indices` + `permute_rows`. Combine
+runs the same steps backwards with `unpermute_rows` and the reverse all-to-all, then weights and sums
+the K rows of each token.
+
+Host syncs: one per dispatch, the `.tolist()` of the sent and received counts, because the row
+all-to-all needs its split sizes on the host (and the padded buffer its length). Combine has none.
+Differentiable end to end in x, topk_weights and the expert outputs: the row all-to-all is an autograd
+Function whose backward is the reverse all-to-all; the permutes' backwards are the xkern gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torch_api.permute import generate_permute_indices, permute_rows, unpermute_rows
+
+
+@dataclass
+class EPHandle:
+    """What `ep_combine` needs to undo a dispatch."""
+
+    permuted_indices: torch.Tensor  # [max_len]: received row of each padded slot, -1 at padding
+    order: torch.Tensor             # [T*K]: (t*K + k) of each sent row, in send order
+    send_splits: list[int]          # rows sent to each rank of the group
+    recv_splits: list[int]          # rows received from each rank
+    num_tokens: int
+    top_k: int
+    group: object = None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows of x (split by in_splits) to the ranks of the group; the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group=None, alignment: int = 16,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+    """Send each token's rows to the ranks owning its top-k experts; lay them out expert-major, padded.
+
+    x: [T, H] float16/bfloat16/float32 (T may be 0). topk_ids: [T, K] integer global expert ids in
+    [0, num_experts); num_experts must be a multiple of the group size. Returns `(xp, m_sizes, m_offsets,
+    handle)`: xp [max_len, H], one block per local expert of m_sizes[e] = roundup(max(n_e, alignment),
+    alignment) rows (n_e = rows received for it, ordered by source rank, then (t, k)), zero rows at
+    padding; m_offsets the inclusive cumsum (both int32, the layout of `generate_permute_indices`).
+    One host sync (the counts' `.tolist()`), which the row all-to-all's split sizes need.
+    """
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {world}")
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, H] and topk_ids [T, K], got {list(x.shape)} and {list(topk_ids.shape)}")
+    experts_local = num_experts // world
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    # Stable: within an expert, rows keep (t, k) order, so the layout is deterministic.
+    order = torch.argsort(flat, stable=True)
+    send_counts = torch.bincount(flat, minlength=num_experts)  # [world * E_local], destination rank-major
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)  # recv[r * E_local + e]: from rank r
+    # The one host sync: split sizes (and the padded length) must be known on the host.
+    host = torch.cat([send_counts, recv_counts]).tolist()
+    send_splits = [sum(host[r * experts_local:(r + 1) * experts_local]) for r in range(world)]
+    recv_host = host[num_experts:]
+    recv_splits = [sum(recv_host[r * experts_local:(r + 1) * experts_local]) for r in range(world)]
+    per_expert = [sum(recv_host[r * experts_local + e] for r in range(world)) for e in range(experts_local)]
+    max_len = sum(-(-max(n, alignment) // alignment) * alignment for n in per_expert)
+
+    # One row per (t, k) assignment, then in send order: a true permutation, so permute_rows' backward
+    # (a gather through the inverse) is exact and the expand's backward sums the K copies.
+    rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, x.shape[1])
+    send = permute_rows(rows, order)
+    recv = _AllToAllRows.apply(send, recv_splits, send_splits, group)
+    idx, m_sizes, m_offsets = generate_permute_indices(recv_counts, experts_local, world, max_len, alignment)
+    xp = permute_rows(recv, idx)
+    handle = EPHandle(idx, order, send_splits, recv_splits, num_tokens, top_k, group)
+    return xp, m_sizes, m_offsets, handle
+
+
+def ep_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+    """Return expert outputs to their tokens: `out[t] = sum_k w[t, k] * expert_out[slot of (t, k)]`.
+
+    expert_out: [max_len, H'] in the layout `ep_dispatch` returned (padding rows are never read).
+    topk_weights: [T, K]. Returns [T, H'] in expert_out's dtype. No host sync.
+    """
+    h = handle
+    if topk_weights.shape != (h.num_tokens, h.top_k):
+        raise ValueError(f"topk_weights must be [{h.num_tokens}, {h.top_k}], got {list(topk_weights.shape)}")
+    recv = unpermute_rows(expert_out, h.permuted_indices, sum(h.recv_splits))
+    back = _AllToAllRows.apply(recv, h.send_splits, h.recv_splits, h.group)
+    rows = unpermute_rows(back, h.order, h.num_tokens * h.top_k)  # (t, k) order
+    rows = rows.view(h.num_tokens, h.top_k, expert_out.shape[1])
+    return (rows * topk_weights.to(rows.dtype).unsqueeze(-1)).sum(1)
