@@ -1,0 +1,129 @@
+"""How the benchmarks time things: the copy ceiling, device time of torch work, device time of JAX work,
+and host overhead per call. GPU only; nothing here runs on the CPU path.
+
+- torch: the calls of one pass (one per rotated input set) are captured in one CUDA graph, and the graph's
+  replays are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median).
+  That is device time with no host launch gaps, autograd's included. If capture fails the eager calls are
+  timed the same way and the row's `timing` says so.
+- JAX: `n` iterations of the pass run inside one jitted `lax.fori_loop` whose carry feeds each output into
+  the next iteration's input (nothing can be hoisted); host wall time of the whole call, median of a few,
+  divided by the number of calls. `n` is static, so XLA knows the trip count (and need not read the loop
+  predicate back to the host each iteration); the per-call dispatch (~50 us) is spread over a ~50 ms run.
+- Inputs: a shape whose working set fits in L2 is run over several input sets in turn (`n_sets`), so each
+  call reads its inputs from HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+
+WARMUP_MS = 25
+REP_MS = 100
+L2_BYTES = 60 * 10**6          # H200 L2 (50 MB on the datasheet; rounded up for margin)
+ROTATE_BYTES = 4 * L2_BYTES    # rotated input sets of a small shape add up to at least this
+MAX_SETS = 16
+JAX_TARGET_MS = 50             # one timed JAX call runs about this long
+JAX_REPEATS = 5
+
+
+def n_sets(bytes_per_call: int) -> int:
+    """How many input sets to rotate among so that a call's inputs are not left in L2 by the last one."""
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / max(1, bytes_per_call))))
+
+
+def do_bench_us(fn) -> float:
+    from triton.testing import do_bench
+
+    return 1e3 * do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def copy_ceiling(nbytes: int = 2**31) -> dict:
+    """Device-to-device copy of `nbytes` (random bytes): GB/s counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = functools.partial(dst.copy_, src)
+    us = do_bench_us(copy)
+    del copy, src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3,
+            "method": f"torch copy_ of {nbytes / 2**30:g} GiB uint8, do_bench median, read + write bytes"}
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def torch_device_us(make_calls) -> tuple[float, str]:
+    """Device time per call. `make_calls()` runs on the capture stream (so a forward made there is the one
+    autograd replays on that stream) and returns one zero-argument callable per input set."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = make_calls()
+        for _ in range(3):  # compile, autotune, allocate outside the capture
+            for call in calls:
+                call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - any capture failure: time eagerly and say so
+        del graph
+        torch.cuda.synchronize()
+        us = torch_eager_us(calls)
+        return us, f"do_bench of eager calls (CUDA graph capture failed: {_short(err)})"
+    us = do_bench_us(graph.replay) / len(calls)
+    del graph
+    return us, f"CUDA graph of {len(calls)} call(s), one per input set, replayed under do_bench (median)"
+
+
+def torch_eager_us(calls) -> float:
+    """Per call, launched from Python: host overhead (autograd's included) shows where it exceeds the
+    device time of the previous call and the L2 flush."""
+    return do_bench_us(lambda: [call() for call in calls]) / len(calls)
+
+
+def jax_device_us(step, consts, state, est_us_per_iter: float) -> tuple[float, str]:
+    """Device time per iteration of `state = step(consts, state)` run inside one jitted fori_loop.
+
+    `consts` (weights, indices, vjp residuals) are arguments, not closures, so they are not baked into the
+    program as constants. `state` is donated; pass fresh copies."""
+    import jax
+
+    n = max(2, min(100_000, round(JAX_TARGET_MS * 1e3 / max(est_us_per_iter, 1.0))))
+
+    def _loop(consts, state):
+        return jax.lax.fori_loop(0, n, lambda i, s: step(consts, s), state)
+
+    loop = jax.jit(_loop, donate_argnums=1)
+    state = jax.block_until_ready(loop(consts, state))  # compile and warm
+    times = []
+    for _ in range(JAX_REPEATS):
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop(consts, state))
+        times.append(time.perf_counter() - start)
+    del state
+    return 1e6 * statistics.median(times) / n, f"jit(fori_loop) of {n} iterations, host wall / iterations, " \
+        f"median of {JAX_REPEATS}"
+
+
+def host_us_per_call(call, sync, n: int = 2000) -> float:
+    """Wall-clock time per call of a tight Python loop of `n` calls (synchronized once at the end)."""
+    for _ in range(20):
+        out = call()
+    sync(out)
+    start = time.perf_counter()
+    for _ in range(n):
+        out = call()
+    sync(out)
+    return 1e6 * (time.perf_counter() - start) / n
