@@ -89,7 +89,6 @@ class _HostArray:
 
 def _interpret(plan: Launch, out_types, scalars, *inputs):
     outs = [np.empty(t.shape, t.dtype) for t in out_types]
-    scalars = {k: float(v) if isinstance(v, np.floating) else v for k, v in scalars.items()}  # as torch passes them
     args = [_HostArray(np.ascontiguousarray(a)) for a in inputs] + [_HostArray(o) for o in outs]
     with INTERPRETER_LOCK:
         plan.kernel[plan.grid](*args, **scalars, **plan.constexprs)

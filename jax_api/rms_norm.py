@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_api._launch import call
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
@@ -94,18 +93,31 @@ def _bwd_op(eps: float, n_batch_dims: int):
     return op
 
 
+def _varying(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _vary_like(a, like):
+    """Inside shard_map: give `a` the varying manual axes of `like` (kernel call outputs carry none)."""
+    missing = tuple(sorted(_varying(like) - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x, weight, eps):
-    return _fwd_op(eps)(x, weight)
+    return _vary_like(_fwd_op(eps)(x, weight), x)
 
 
 def _rms_norm_fwd(x, weight, eps):
-    return _fwd_op(eps)(x, weight), (x, weight)
+    return _rms_norm(x, weight, eps), (x, weight)
 
 
 def _rms_norm_bwd(eps, residuals, dy):
     x, weight = residuals
-    return _bwd_op(eps, 0)(dy, x, weight)
+    dx, dw = _bwd_op(eps, 0)(dy, x, weight)
+    return _vary_like(dx, x), _vary_like(dw, weight)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -131,6 +143,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
         raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    # float32, as the torch launcher passes it: jax-triton 0.3.1 would pass a Python float as fp64 and
-    # compile `mean + eps` in double precision, changing roundings against the torch launch.
-    return _rms_norm(x, weight, np.float32(eps))
+    # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
+    # summed over the mesh axes by the transpose of that cast.
+    weight = _vary_like(weight, x)
+    return _rms_norm(x, weight, float(eps))

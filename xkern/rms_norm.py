@@ -30,6 +30,7 @@ def _rms_norm_fwd_kernel(
     n_rows, n_cols, x_row_stride, y_row_stride, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # jax-triton 0.3.1 passes Python floats as fp64: compute as torch does
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -49,6 +50,7 @@ def _rms_norm_fwd_chunked_kernel(
     n_rows, n_cols, x_row_stride, y_row_stride, eps,
     BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # jax-triton 0.3.1 passes Python floats as fp64: compute as torch does
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * x_row_stride
     y_row = Y + row * y_row_stride
@@ -73,6 +75,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # jax-triton 0.3.1 passes Python floats as fp64: compute as torch does
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. The next
     # tile's loads are issued before this tile's math (register double buffering) to hide DRAM latency.
     pid = tl.program_id(0)
@@ -116,6 +119,7 @@ def _rms_norm_bwd_chunked_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, eps,
     BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # jax-triton 0.3.1 passes Python floats as fp64: compute as torch does
     # Rows too wide for registers: pass 1 gathers the two row sums, pass 2 (re-reading the row, mostly
     # from L2) writes dx and adds into this program's own dw partial row in memory.
     pid = tl.program_id(0)
