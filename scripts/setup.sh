@@ -19,7 +19,7 @@ else
     "$PYBIN" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 jax==0.10.2 jaxlib==0.10.2 \
-      ml_dtypes "numpy<2.4" pytest ruff matplotlib
+      ml_dtypes "numpy<2.4" pytest ruff matplotlib transformers
     .venv/bin/python -m pip install -q --no-deps -e .
   fi
   PY=.venv/bin/python

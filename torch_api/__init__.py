@@ -1,6 +1,7 @@
 """PyTorch front end of xkern: autograd-aware ops registered with torch.library."""
 
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
+from torch_api.hf import replace_rms_norm
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -12,6 +13,7 @@ __all__ = [
     "generate_permute_indices",
     "inverse_permutation",
     "permute_rows",
+    "replace_rms_norm",
     "rms_norm",
     "unpermute_rows",
 ]
