@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_api._launch import call
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
@@ -144,9 +143,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
         raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    # float32, as the torch launcher passes it: jax-triton 0.3.1 would pass a Python float as fp64 and
-    # compile `mean + eps` in double precision, changing roundings against the torch launch.
     # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
     # summed over the mesh axes by the transpose of that cast.
     weight = _vary_like(weight, x)
-    return _rms_norm(x, weight, np.float32(eps))
+    return _rms_norm(x, weight, float(eps))
