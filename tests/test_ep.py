@@ -114,8 +114,17 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_dispatch_combine_gloo(world):
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
-    ctx = mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=False)
+    # The ranks run on CPU (gloo) under the interpreter; set it for them only: on a GPU machine this
+    # process runs compiled kernels and must keep doing so after the test.
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        ctx = mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=False)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     deadline = time.monotonic() + 90
     try:
         while not ctx.join(timeout=1):
