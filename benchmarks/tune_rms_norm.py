@@ -104,6 +104,24 @@ def main():
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
+
+    def sweep(name, shape, nbytes, plan, cands, make_fn):
+        """Time the plan (first) and each candidate within the budget; record plan vs best."""
+        timed, t0 = [], time.time()
+        for c in [plan] + cands:
+            if time.time() - t0 > args.budget:
+                break
+            try:
+                timed.append((bench(make_fn(c)), c))
+            except Exception as e:  # a candidate that does not compile (registers) is just skipped
+                print(f"  skip {describe(c)}: {type(e).__name__}", file=sys.stderr)
+        (plan_t, _), (best_t, best) = timed[0], min(timed, key=lambda t: t[0])
+        row = {"pass": name, "shape": list(shape), "plan": describe(plan), "best": describe(best),
+               "plan_frac": nbytes / plan_t / 1e9 / ceiling, "best_frac": nbytes / best_t / 1e9 / ceiling}
+        results.append(row)
+        print(f"{name} {shape[0]}x{shape[1]}: plan {row['plan_frac']:.3f} [{row['plan']}]  "
+              f"best {row['best_frac']:.3f} [{row['best']}]", flush=True)
+
     for m, n in SHAPES:
         torch.manual_seed(0)
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -111,42 +129,12 @@ def main():
         dy = torch.randn_like(x)
         y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
         if "fwd" in args.passes:
-            nbytes = 2 * x.numel() * 2
-            plan = K.plan_rms_norm_fwd(m, n)
-            cands = [plan] + ([] if args.quick else fwd_candidates(m, n))
-            timed, t0 = [], time.time()
-            for c in cands:
-                if time.time() - t0 > args.budget:
-                    break
-                try:
-                    timed.append((bench(lambda c=c: run_fwd(c, x, w, y)), c))
-                except Exception as e:  # a candidate that does not compile (registers) is just skipped
-                    print(f"  skip {describe(c)}: {type(e).__name__}", file=sys.stderr)
-            plan_t = timed[0][0]
-            best_t, best = min(timed, key=lambda t: t[0])
-            results.append({"pass": "fwd", "shape": [m, n], "plan": describe(plan), "plan_frac": nbytes / plan_t / 1e9 / ceiling,
-                            "best": describe(best), "best_frac": nbytes / best_t / 1e9 / ceiling})
-            print(f"fwd {m}x{n}: plan {nbytes / plan_t / 1e9 / ceiling:.3f} [{describe(plan)}]  best "
-                  f"{nbytes / best_t / 1e9 / ceiling:.3f} [{describe(best)}]", flush=True)
+            sweep("fwd", (m, n), 2 * x.numel() * 2, K.plan_rms_norm_fwd(m, n),
+                  [] if args.quick else fwd_candidates(m, n), lambda c, x=x, w=w, y=y: lambda: run_fwd(c, x, w, y))
         if "bwd" in args.passes:
-            nbytes = 3 * x.numel() * 2
             plan, reduce = K.plan_rms_norm_bwd(m, n)
-            cands = [plan] + ([] if args.quick else bwd_candidates(m, n))
-            timed, t0 = [], time.time()
-            for c in cands:
-                if time.time() - t0 > args.budget:
-                    break
-                try:
-                    timed.append((bench(run_bwd(c, reduce, x, w, dy, dx, dw)), c))
-                except Exception as e:
-                    print(f"  skip {describe(c)}: {type(e).__name__}", file=sys.stderr)
-            plan_t = timed[0][0]
-            best_t, best = min(timed, key=lambda t: t[0])
-            results.append({"pass": "bwd", "shape": [m, n], "plan": describe(plan), "plan_frac": nbytes / plan_t / 1e9 / ceiling,
-                            "best": describe(best), "best_frac": nbytes / best_t / 1e9 / ceiling})
-            print(f"bwd {m}x{n}: plan {nbytes / plan_t / 1e9 / ceiling:.3f} [{describe(plan)}]  best "
-                  f"{nbytes / best_t / 1e9 / ceiling:.3f} [{describe(best)}]", flush=True)
-        del x, dy, y, dx
+            sweep("bwd", (m, n), 3 * x.numel() * 2, plan, [] if args.quick else bwd_candidates(m, n),
+                  lambda c, a=(reduce, x, w, dy, dx, dw): run_bwd(c, *a))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"ceiling_gbs": ceiling, "rows": results}, f, indent=1)
