@@ -13,7 +13,7 @@ def _has_gpu() -> bool:
 
 GPU = _has_gpu()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU in one process
-collect_ignore = [] if GPU else ["test_gpu_large.py"]
+collect_ignore = [] if GPU else ["test_gpu_large.py", "test_gpu_graphs.py"]
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
