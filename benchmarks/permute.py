@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-import traceback
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +22,7 @@ import torch
 
 from benchmarks import timing
 from benchmarks._helpers import rand, same_bits, to_numpy, to_torch
+from benchmarks.timing import error_status as _err
 from xkern import reference as R
 
 DEVICE = "cuda"  # the benchmark runs on the GPU; CPU only in dry runs of this code
@@ -151,12 +150,6 @@ def _row(op, pass_, impl, t, h, n, n_pad, ceiling, **fields):
         row["gbps"] = nbytes / row["us"] / 1e3
         row["frac"] = row["gbps"] / ceiling
     return row
-
-
-def _err(err: BaseException) -> str:
-    """The row's status; the traceback's last frames go to stderr (the full log)."""
-    print("".join(traceback.format_exception(err, limit=-4)), file=sys.stderr, flush=True)
-    return f"error: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
 def _to_jax(t):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,6 +18,7 @@ import torch
 
 from benchmarks import timing
 from benchmarks._helpers import TORCH_DTYPES, rand, same_bits, to_numpy, to_torch
+from benchmarks.timing import error_status as _err
 from xkern import reference as R
 
 DEVICE = "cuda"  # the benchmark runs on the GPU; CPU only in dry runs of this code
@@ -227,12 +226,6 @@ def _row(pass_, impl, m, n, dtype, ceiling, **fields) -> dict:
         row["gbps"] = nbytes / row["us"] / 1e3
         row["frac"] = row["gbps"] / ceiling
     return row
-
-
-def _err(err: BaseException) -> str:
-    """The row's status; the traceback's last frames go to stderr (the full log)."""
-    print("".join(traceback.format_exception(err, limit=-4)), file=sys.stderr, flush=True)
-    return f"error: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
 def _same_bits_gpu(t, j) -> bool:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import sys
 import time
+import traceback
 
 WARMUP_MS = 25
 REP_MS = 100
@@ -127,3 +129,9 @@ def host_us_per_call(call, sync, n: int = 2000) -> float:
         out = call()
     sync(out)
     return 1e6 * (time.perf_counter() - start) / n
+
+
+def error_status(err: BaseException) -> str:
+    """A result row's status for a failed implementation; the traceback's last frames go to stderr."""
+    print("".join(traceback.format_exception(err, limit=-4)), file=sys.stderr, flush=True)
+    return f"error: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
