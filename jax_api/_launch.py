@@ -7,6 +7,7 @@ buffers handed to the interpreter through `_HostArray`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -19,10 +20,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     patch_interpreter_bf16_rounding()
 
+_FORCE_GPU = False  # set by gpu_lowering(): take the jax-triton branch on any backend
+
+
+@contextlib.contextmanager
+def gpu_lowering():
+    """Trace `call` down the GPU (jax-triton) path whatever the backend, so a CPU machine with a CUDA
+    plugin can `jax.export(..., platforms=["cuda"])` it. Nothing runs: it only lowers."""
+    global _FORCE_GPU
+    saved, _FORCE_GPU = _FORCE_GPU, True
+    try:
+        yield
+    finally:
+        _FORCE_GPU = saved
+
 
 def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
     """Launch `plan` on `inputs`, returning new arrays shaped like `out_types` (ShapeDtypeStructs)."""
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu" and not _FORCE_GPU:
         if not INTERPRET:
             raise RuntimeError("jax_api runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 "
                                "before triton is first imported")
@@ -31,8 +46,11 @@ def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
     jt = _jax_triton()
     # jax-triton 0.3.x calls the outputs `out_shape`, 0.4.x `out_type`.
     key = "out_shape" if jt.__version__.startswith("0.3") else "out_type"
+    # Without a GPU there is no device to ask for its compute capability: lower for the H100/H200's sm_90.
+    target = {"compute_capability": 90} if _FORCE_GPU else {}
     outs = jt.triton_call(*inputs, kernel=plan.kernel, grid=plan.grid, num_warps=plan.num_warps,
-                          num_stages=plan.num_stages, **{key: list(out_types)}, **scalars, **plan.constexprs)
+                          num_stages=plan.num_stages, **{key: list(out_types)}, **target, **scalars,
+                          **plan.constexprs)
     return list(outs)
 
 

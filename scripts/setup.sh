@@ -1,7 +1,8 @@
 # Sourced by main.sh and test.sh: picks the Python to use, setting up .venv on a machine without a GPU.
 # On a CPU machine: Python 3.11 venv with torch 2.13.0 (CPU build, from local disk), triton 3.6.0 (its
 # interpreter runs the kernels), jax 0.10.2. numpy < 2.4: Triton 3.6's interpreter breaks on numpy
-# 2.4's removal of 1-element-array-to-int conversion (kernels looping over program ids).
+# 2.4's removal of 1-element-array-to-int conversion (kernels looping over program ids). jax-triton and
+# the CUDA plugin for jax (no CUDA libraries, ~400 MB) let tests/test_export_cuda.py lower the GPU path.
 # On a GPU machine: the system python3 and what is installed there, plus wheels carried in .whl/.
 set -e
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,7 +20,7 @@ else
     "$PYBIN" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 jax==0.10.2 jaxlib==0.10.2 \
-      ml_dtypes "numpy<2.4" pytest ruff matplotlib transformers
+      ml_dtypes "numpy<2.4" pytest ruff matplotlib transformers jax-cuda13-plugin==0.10.2 jax-triton==0.3.1
     .venv/bin/python -m pip install -q --no-deps -e .
   fi
   PY=.venv/bin/python

@@ -1,0 +1,90 @@
+"""The JAX GPU path lowers for CUDA on a CPU machine: `jax.export(platforms=["cuda"])` of every jax_api op
+through jax-triton, which compiles each kernel for sm_90 while lowering (a GPU-only compile error raises).
+
+Runs in a subprocess: Triton's compiler cannot share a process with its interpreter (TRITON_INTERPRET=1,
+set by conftest.py). Needs jax-triton and a CUDA plugin for jax (scripts/setup.sh installs both).
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+# Each case: the kernels of the `triton_kernel_call`s its exported module must hold, one entry per call.
+GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_scatter_inverse_kernel", "_settle_inverse_kernel"]
+EXPECTED = {
+    "rms_norm bf16": ["_rms_norm_fwd_kernel"],
+    "rms_norm fp16 x, fp32 w": ["_rms_norm_fwd_kernel"],
+    "grad rms_norm": ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"],
+    "permute_rows": ["_gather_rows_kernel"],
+    "unpermute_rows": GATHER_VIA_INVERSE,
+    "grad permute_rows": ["_gather_rows_kernel"] + GATHER_VIA_INVERSE,  # forward gather, then unpermute
+    "generate_permute_indices": ["_expert_sizes_kernel", "_fill_indices_kernel"],
+}
+
+
+def _kernels(module_text: str) -> list[str]:
+    """Kernel names of the `triton_kernel_call`s in `module_text`, each checked to carry sm_90 PTX."""
+    names = []
+    for m in re.finditer(r'custom_call @triton_kernel_call\(.*?backend_config = "((?:[^"\\]|\\.)*)"', module_text):
+        # MLIR escapes bytes as \XX and a backslash as \\; the config is a zlib-compressed proto.
+        raw = re.sub(rb"\\(\\|[0-9A-Fa-f]{2})", lambda g: b"\\" if g[1] == b"\\" else bytes([int(g[1], 16)]),
+                     m[1].encode("latin-1"))
+        config = zlib.decompress(raw)
+        assert b".target sm_90" in config, config[:300]
+        names.append(re.search(rb"\.globl\s+(\w+)", config)[1].decode())
+    return sorted(names)
+
+
+def _export_all() -> dict:
+    """In the child: export each case for CUDA under `gpu_lowering()`; the kernel names per case."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_api
+    from jax_api._launch import gpu_lowering
+
+    S = jax.ShapeDtypeStruct
+    x, w = S((6, 320), jnp.bfloat16), S((320,), jnp.bfloat16)
+    rows, idx, counts = S((10, 64), jnp.float32), S((16,), jnp.int32), S((4,), jnp.int32)
+    cases = {
+        "rms_norm bf16": (lambda x, w: jax_api.rms_norm(x, w), x, w),
+        "rms_norm fp16 x, fp32 w": (lambda x, w: jax_api.rms_norm(x, w), S((2, 3, 96), jnp.float16),
+                                    S((96,), jnp.float32)),
+        "grad rms_norm": (jax.grad(lambda x, w: jnp.sum(jax_api.rms_norm(x, w).astype(jnp.float32) ** 2),
+                                   argnums=(0, 1)), x, w),
+        "permute_rows": (jax_api.permute_rows, rows, idx),
+        "unpermute_rows": (lambda y, i: jax_api.unpermute_rows(y, i, 10), S((16, 64), jnp.float32), idx),
+        "grad permute_rows": (jax.grad(lambda x, i: jnp.sum(jax_api.permute_rows(x, i) ** 2)), rows, idx),
+        "generate_permute_indices": (lambda c: jax_api.generate_permute_indices(c, 2, 2, 16, 4), counts),
+    }
+    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+    found = {}
+    with gpu_lowering():
+        for name, (f, *args) in cases.items():
+            exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args)
+            assert exported.platforms == ("cuda",), exported.platforms
+            found[name] = _kernels(exported.mlir_module())
+    return found
+
+
+def test_jax_gpu_path_exports_for_cuda():
+    missing = [pkg for pkg, mod in (("jax-triton", "jax_triton"), ("jax-cuda13-plugin", "jax_cuda13_plugin"))
+               if importlib.util.find_spec(mod) is None]
+    assert not missing, f"not installed: {', '.join(missing)} (CI needs them for this check: scripts/setup.sh)"
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found == {name: sorted(kernels) for name, kernels in EXPECTED.items()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_export_all()))
