@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from helpers import same_bits, to_numpy
@@ -62,3 +63,37 @@ def test_row_offsets_past_2_31_elements(shape):
     dx, _ = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
     dx_ref = R.rms_norm_bwd(to_numpy(x[tail]), to_numpy(w), to_numpy(dy[tail]), EPS)[0]
     R.check(to_numpy(dx[tail]), dx_ref, "dx")
+
+
+@pytest.mark.parametrize("tokens", [8192, 16384])
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gathers_full_size(tokens, hidden, dtype):
+    """The gathers at training sizes (T x top-8 rows, 8 ranks x 8 local experts, alignment 16): indices
+    against the numpy oracle; forward and both backwards bit for bit against torch's own index ops and
+    across front ends."""
+    experts, ranks, align = 8, 8, 16
+    g = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+    group = torch.randint(0, experts * ranks, (tokens * 8,), device="cuda", generator=g)
+    counts = torch.bincount(group, minlength=experts * ranks).to(torch.int32)
+    n_rows = tokens * 8
+    max_len = n_rows + experts * align
+    idx, _, _ = torch_api.generate_permute_indices(counts, experts, ranks, max_len, align)
+    ref_idx = R.generate_permute_indices(to_numpy(counts), experts, ranks, max_len, align)[0]
+    assert np.array_equal(to_numpy(idx), ref_idx)
+    x = torch.randn(n_rows, hidden, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    y = torch_api.permute_rows(x, idx)
+    safe = idx.clamp(min=0).long()
+    expected = torch.where((idx >= 0)[:, None], x.detach()[safe], 0)
+    assert same_bits(y, expected)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    inv = torch_api.inverse_permutation(idx, n_rows)
+    assert same_bits(dx, dy[inv.long()])
+    back = torch_api.unpermute_rows(y.detach(), idx, n_rows)
+    assert same_bits(back, x.detach())
+    jidx = jnp.asarray(to_numpy(idx))
+    jy = jax.jit(jax_api.permute_rows)(jnp.asarray(to_numpy(x.detach())), jidx)
+    assert same_bits(jy, y)
+    jback = jax.jit(jax_api.unpermute_rows, static_argnums=2)(jy, jidx, n_rows)
+    assert same_bits(jback, back)
