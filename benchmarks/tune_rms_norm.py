@@ -33,11 +33,18 @@ def copy_ceiling() -> float:
     return 2 * a.numel() / bench(lambda: b.copy_(a)) / 1e9
 
 
+EPS = 1e-6
+
+
+def _fixed(n):
+    return {"EPS": EPS, "ROW_ALIGN": K.row_align(n)}
+
+
 def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
     if n >= 16384:
-        out += [Launch(K._rms_norm_fwd_chunked_kernel, (m,), w, {"BLOCK_N": c}) for c in (2048, 4096, 8192)
+        out += [Launch(K._rms_norm_fwd_chunked_kernel, (m,), w, {**_fixed(n), "BLOCK_N": c}) for c in (2048, 4096, 8192)
                 for w in (4, 8, 16)]
     for bm in (1, 2, 4, 8, 16, 32, 64, 128):
         if bm * bn > 65536 or bm * bn < 256:
@@ -45,7 +52,8 @@ def fwd_candidates(m, n):
         for w in (1, 2, 4, 8, 16, 32):
             per_thread = bm * bn // (32 * w)
             if 8 <= per_thread <= 64:
-                out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {"BLOCK_M": bm, "BLOCK_N": bn}))
+                out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w,
+                                  {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
 
@@ -56,7 +64,7 @@ def bwd_candidates(m, n):
         if n > 8192:
             for w in (8, 16):
                 for g in (66, 132, 264):
-                    out.append(Launch(K._rms_norm_bwd_chunked_kernel, (min(m, g), 1), w, {"BLOCK_N": c}))
+                    out.append(Launch(K._rms_norm_bwd_chunked_kernel, (min(m, g), 1), w, {**_fixed(n), "BLOCK_N": c}))
     if bn <= 32768:
         for bm in (1, 2, 4, 8, 16, 32, 64):
             if bm * bn > 32768 or bm * bn < 256:
@@ -67,13 +75,13 @@ def bwd_candidates(m, n):
                     continue
                 for ppsm in (1, 2, 4, 8, 16):
                     g = min(cdiv(m, bm), 132 * ppsm)
-                    out.append(Launch(K._rms_norm_bwd_kernel, (g, 1), w, {"BLOCK_M": bm, "BLOCK_N": bn}))
+                    out.append(Launch(K._rms_norm_bwd_kernel, (g, 1), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
 
 def run_fwd(launch, x, w, y):
     m, n = x.shape
-    launch.kernel[launch.grid](x, w, y, n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n, eps=1e-6,
+    launch.kernel[launch.grid](x, w, y, n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n,
                                **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
@@ -83,7 +91,7 @@ def run_bwd(launch, reduce, x, w, dy, dx, dw):
 
     def fn():
         launch.kernel[launch.grid](x, w, dy, dx, partial, n_rows=m, n_cols=n, x_row_stride=n, dy_row_stride=n,
-                                   dx_row_stride=n, eps=1e-6, **launch.constexprs, num_warps=launch.num_warps,
+                                   dx_row_stride=n, **launch.constexprs, num_warps=launch.num_warps,
                                    num_stages=launch.num_stages)
         reduce.kernel[reduce.grid](partial, dw, n_partials=launch.grid[0], n_cols=n, **reduce.constexprs,
                                    num_warps=reduce.num_warps)
@@ -129,10 +137,10 @@ def main():
         dy = torch.randn_like(x)
         y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
         if "fwd" in args.passes:
-            sweep("fwd", (m, n), 2 * x.numel() * 2, K.plan_rms_norm_fwd(m, n),
+            sweep("fwd", (m, n), 2 * x.numel() * 2, K.plan_rms_norm_fwd(m, n, EPS),
                   [] if args.quick else fwd_candidates(m, n), lambda c, x=x, w=w, y=y: lambda: run_fwd(c, x, w, y))
         if "bwd" in args.passes:
-            plan, reduce = K.plan_rms_norm_bwd(m, n)
+            plan, reduce = K.plan_rms_norm_bwd(m, n, EPS)
             sweep("bwd", (m, n), 3 * x.numel() * 2, plan, [] if args.quick else bwd_candidates(m, n),
                   lambda c, a=(reduce, x, w, dy, dx, dw): run_bwd(c, *a))
     if args.out:

@@ -14,7 +14,7 @@ import os
 import jax
 import numpy as np
 
-from xkern.launch import INTERPRETER_LOCK, Launch, patch_interpreter_bf16_rounding
+from xkern.launch import INTERPRETER_LOCK, Launch, bind, ordered_scalars, patch_interpreter_bf16_rounding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -48,9 +48,11 @@ def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
     key = "out_shape" if jt.__version__.startswith("0.3") else "out_type"
     # Without a GPU there is no device to ask for its compute capability: lower for the H100/H200's sm_90.
     target = {"compute_capability": 90} if _FORCE_GPU else {}
-    outs = jt.triton_call(*inputs, kernel=plan.kernel, grid=plan.grid, num_warps=plan.num_warps,
-                          num_stages=plan.num_stages, **{key: list(out_types)}, **target, **scalars,
-                          **plan.constexprs)
+    # Runtime scalars go positionally, after the inputs (the kernels' parameter order): by keyword,
+    # jax-triton would bake them into the binary and compile other code than the torch launch.
+    outs = jt.triton_call(*inputs, *ordered_scalars(plan, scalars), kernel=plan.kernel, grid=plan.grid,
+                          num_warps=plan.num_warps, num_stages=plan.num_stages, **{key: list(out_types)},
+                          **target, **plan.constexprs)
     return list(outs)
 
 
@@ -109,5 +111,5 @@ def _interpret(plan: Launch, out_types, scalars, *inputs):
     outs = [np.empty(t.shape, t.dtype) for t in out_types]
     args = [_HostArray(np.ascontiguousarray(a)) for a in inputs] + [_HostArray(o) for o in outs]
     with INTERPRETER_LOCK:
-        plan.kernel[plan.grid](*args, **scalars, **plan.constexprs)
+        plan.kernel[plan.grid](**bind(plan, args, scalars))
     return outs

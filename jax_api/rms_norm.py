@@ -29,9 +29,9 @@ def _fwd(x, weight, eps):
     if x.size == 0:
         return jnp.zeros(out.shape, out.dtype)
     x2 = x.reshape(-1, n_cols)
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols)
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps)
     (y,) = call(plan, [x2, weight], [jax.ShapeDtypeStruct(x2.shape, out.dtype)], n_rows=x2.shape[0],
-                n_cols=n_cols, x_row_stride=n_cols, y_row_stride=n_cols, eps=eps)
+                n_cols=n_cols, x_row_stride=n_cols, y_row_stride=n_cols)
     return y.reshape(x.shape)
 
 
@@ -43,13 +43,13 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
     if x.size == 0:
         return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, weight.dtype)
     n_rows = x.size // n_cols // n_batch
-    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, n_batch)
+    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, eps, n_batch=n_batch)
     x2, dy2 = x.reshape(-1, n_cols), dy.reshape(-1, n_cols)
     dx, partial = call(bwd, [x2, weight, dy2],
                        [jax.ShapeDtypeStruct(x2.shape, x.dtype),
                         jax.ShapeDtypeStruct((n_batch * bwd.grid[0], n_cols), jnp.float32)],
                        n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols,
-                       dx_row_stride=n_cols, eps=eps)
+                       dx_row_stride=n_cols)
     (dw,) = call(reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
                  n_partials=bwd.grid[0], n_cols=n_cols)
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)

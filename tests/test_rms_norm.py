@@ -162,15 +162,15 @@ def test_every_output_element_is_written():
     for rows, width in ((33, 128), (7, 300), (2, 20000), (1, 70000)):
         x, w, dy = (to_torch(a) for a in _inputs(rng, (rows, width), "bfloat16"))
         y = torch.full_like(x, float("nan"))
-        launch(plan_rms_norm_fwd(rows, width), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
-               y_row_stride=width, eps=EPS)
+        launch(plan_rms_norm_fwd(rows, width, EPS), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
+               y_row_stride=width)
         assert same_bits(y, torch_api.rms_norm(x, w, EPS))
-        bwd, reduce = plan_rms_norm_bwd(rows, width)
+        bwd, reduce = plan_rms_norm_bwd(rows, width, EPS)
         dx = torch.full_like(x, float("nan"))
         partial = torch.full((bwd.grid[0], width), float("nan"), device=x.device)
         dw = torch.full_like(w, float("nan"))
         launch(bwd, x, w, dy, dx, partial, n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
-               dx_row_stride=width, eps=EPS)
+               dx_row_stride=width)
         launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=width)
         ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
         assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from xkern.launch import INTERPRETER_LOCK, Launch, patch_interpreter_bf16_rounding
+from xkern.launch import INTERPRETER_LOCK, Launch, bind, patch_interpreter_bf16_rounding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -15,10 +15,9 @@ if INTERPRET:
 
 
 def launch(plan: Launch, *arrays, **scalars) -> None:
-    """`plan.kernel[plan.grid](*arrays, **scalars)`: arrays are inputs then outputs, as in the kernel."""
+    """Launch `plan` on `arrays` (its inputs, then its outputs) and the runtime `scalars`."""
     with INTERPRETER_LOCK if INTERPRET else contextlib.nullcontext():
-        plan.kernel[plan.grid](*arrays, **scalars, **plan.constexprs,
-                               num_warps=plan.num_warps, num_stages=plan.num_stages)
+        plan.kernel[plan.grid](**bind(plan, arrays, scalars), num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def check_device(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:

@@ -26,9 +26,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x2 = rows_view("x", x)
     if x2.numel() == 0:
         return y
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols)
-    launch(plan, x2, weight, y, n_rows=x2.shape[0], n_cols=n_cols, x_row_stride=x2.stride(0),
-           y_row_stride=n_cols, eps=float(eps))
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (x2.stride(0), n_cols))
+    launch(plan, x2, weight, y, n_rows=x2.shape[0], n_cols=n_cols, x_row_stride=x2.stride(0), y_row_stride=n_cols)
     return y
 
 
@@ -46,10 +45,10 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_rows = x2.shape[0]
     if x2.numel() == 0:
         return dx, torch.zeros_like(weight)
-    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols)
+    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
     partial = torch.empty((bwd.grid[0], n_cols), dtype=torch.float32, device=x.device)
     launch(bwd, x2, weight, dy2, dx, partial, n_rows=n_rows, n_cols=n_cols, x_row_stride=x2.stride(0),
-           dy_row_stride=dy2.stride(0), dx_row_stride=n_cols, eps=float(eps))
+           dy_row_stride=dy2.stride(0), dx_row_stride=n_cols)
     dw = torch.empty_like(weight)
     launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=n_cols)
     return dx, dw

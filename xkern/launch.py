@@ -1,8 +1,10 @@
 """What every op's launch plan returns, and the helpers the plans share.
 
 A plan is computed once here from shapes and dtypes only, so the torch and JAX front ends launch the
-same binary with the same grid and get bitwise-identical results. Kernel signatures put array inputs
-first and outputs after them (jax-triton appends outputs to the inputs), scalars go by keyword.
+same binary with the same grid and get bitwise-identical results. Kernel signatures are ordered
+`inputs, scalars, outputs, constexprs`: jax-triton binds its positional arguments (arrays and runtime
+scalars) to the first parameters and appends the outputs (a scalar passed by keyword would become a
+compile-time constant there, compiling other code than the torch launch).
 """
 
 from __future__ import annotations
@@ -64,3 +66,18 @@ def patch_interpreter_bf16_rounding() -> None:
 
     builder.cast_impl = rounding_cast
     builder._xkern_rtne = True
+
+
+def bind(launch: Launch, arrays, scalars: dict) -> dict:
+    """Keyword arguments for `launch.kernel`: `arrays` (inputs, then outputs) bound in order to its pointer
+    parameters, `scalars` by name, and the plan's constexprs."""
+    fixed = scalars.keys() | launch.constexprs.keys()
+    pointers = [name for name in launch.kernel.arg_names if name not in fixed]
+    if len(pointers) != len(arrays):
+        raise TypeError(f"{launch.kernel.__name__} takes arrays {pointers}, got {len(arrays)}")
+    return {**dict(zip(pointers, arrays)), **scalars, **launch.constexprs}
+
+
+def ordered_scalars(launch: Launch, scalars: dict) -> list:
+    """The runtime scalars in the kernel's parameter order (they follow its inputs)."""
+    return [scalars[name] for name in launch.kernel.arg_names if name in scalars]

@@ -32,8 +32,9 @@ from xkern.launch import Launch, cdiv, next_pow2
 
 @triton.jit
 def _gather_rows_kernel(
-    SRC, IDX, OUT,
+    SRC, IDX,
     n_rows, n_cols, n_src_rows, src_row_stride,
+    OUT,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,7 +53,7 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _scatter_inverse_kernel(IDX, RAW, n_slots, n_rows, BLOCK: tl.constexpr):
+def _scatter_inverse_kernel(IDX, n_slots, n_rows, RAW, BLOCK: tl.constexpr):
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = slots < n_slots
     rows = tl.load(IDX + slots, mask=in_bounds, other=-1).to(tl.int64)
@@ -61,7 +62,7 @@ def _scatter_inverse_kernel(IDX, RAW, n_slots, n_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _settle_inverse_kernel(IDX, RAW, INV, n_slots, n_rows, BLOCK: tl.constexpr):
+def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
     # RAW is uninitialised where no slot named the row: keep a value only if it points back at the row.
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = rows < n_rows
@@ -74,8 +75,9 @@ def _settle_inverse_kernel(IDX, RAW, INV, n_slots, n_rows, BLOCK: tl.constexpr):
 
 @triton.jit
 def _expert_sizes_kernel(
-    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
+    COUNTS,
     n_experts, n_ranks, alignment,
+    M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
     BLOCK_E: tl.constexpr,
 ):
     # ROW_START[r, e]: source row of the first token of (r, e). RANK_BEGIN[r, e]: where rank r's tokens
@@ -99,8 +101,9 @@ def _expert_sizes_kernel(
 
 @triton.jit
 def _fill_indices_kernel(
-    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, OUT,
+    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
     max_len, n_experts, n_ranks,
+    OUT,
     BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
 ):
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
