@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = [(33, 128), (33, 300), (33, 2048), (7, 5000), (3, 20000), (2, 40000)]
+SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 20000), (2, 40000)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
 
 
@@ -97,6 +97,8 @@ def _child() -> None:
                 reduce.kernel.fn.__name__: _torch_ptx(reduce, [partial, t["w"]], dict(
                     n_partials=bwd.grid[0], n_cols=n)),
             }
+            if n % 16 == 0:  # 16-byte rows: the forward must use 16-byte accesses (the bandwidth depends on it)
+                assert "ld.global.v4" in ours[fwd.kernel.fn.__name__], f"{rows}x{n} {x_dt}: forward not vectorized"
             for name, ptx in ours.items():
                 assert name in jax_ptx, f"{rows}x{n} {x_dt}/{w_dt}: JAX launched no {name} ({sorted(jax_ptx)})"
                 for other in jax_ptx[name]:
@@ -105,6 +107,24 @@ def _child() -> None:
                         Path("/tmp/ptx_jax.txt").write_text(other)
                     assert other == ptx, f"{rows}x{n} {x_dt}/{w_dt}: {name} compiles differently from JAX"
                     compared += 1
+    # The gather: data movement only (parity cannot break there), but it must stay vectorized on both.
+    from xkern.permute import plan_gather_rows
+
+    for n_src, h, dt in ((40, 2048, "bfloat16"), (40, 1025, "bfloat16"), (24, 7168, "float32")):
+        n_out = n_src + 8
+        S = jax.ShapeDtypeStruct
+        with gpu_lowering():
+            exported = jax.export.export(jax.jit(jax_api.permute_rows), platforms=["cuda"], disabled_checks=checks)(
+                S((n_src, h), jnp.dtype(dt)), S((n_out,), jnp.int32))
+        jax_ptx = _ptx_from_export(exported.mlir_module())["_gather_rows_kernel"]
+        src = torch.empty((n_src, h), dtype=getattr(torch, dt), device="meta")
+        plan = plan_gather_rows(n_out, h, src.element_size(), h)
+        ptx = _torch_ptx(plan, [src, torch.empty(n_out, dtype=torch.int32, device="meta"),
+                                torch.empty((n_out, h), dtype=src.dtype, device="meta")],
+                         dict(n_rows=n_out, n_cols=h, n_src_rows=n_src, src_row_stride=h))
+        assert all(other == ptx for other in jax_ptx), f"gather {n_src}x{h} {dt} compiles differently from JAX"
+        assert (".v4." in ptx) == (h % 8 == 0 or dt == "float32" and h % 4 == 0), f"gather {h} {dt}: vector width"
+        compared += len(jax_ptx)
     print(f"identical PTX for {compared} kernel launches")
 
 

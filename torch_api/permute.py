@@ -33,7 +33,7 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tens
     if x.stride(1) != 1 and x.shape[1] > 1:  # rows need a contiguous last dim; any row stride is fine
         x = x.contiguous()
     idx = idx.contiguous()
-    plan = plan_gather_rows(out.shape[0], out.shape[1], x.element_size())
+    plan = plan_gather_rows(out.shape[0], out.shape[1], x.element_size(), x.stride(0))
     launch(plan, x, idx, out, n_rows=out.shape[0], n_cols=out.shape[1], n_src_rows=x.shape[0],
            src_row_stride=x.stride(0))
     return out

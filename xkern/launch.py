@@ -38,6 +38,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def row_align(n_cols: int, *row_strides: int) -> int:
+    """Largest power of two (at most 16) dividing the width and every row stride, in elements.
+
+    Kernels take it as the constexpr ROW_ALIGN and apply it as `n // ROW_ALIGN * ROW_ALIGN`, which lets
+    the compiler prove 16-byte alignment of rows without specializing the integer arguments themselves
+    (the torch and JAX launchers specialize integers differently; see xkern/rms_norm.py)."""
+    align = 16
+    while any(v % align for v in (n_cols, *row_strides)):
+        align //= 2
+    return align
+
+
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU path) is not thread-safe, and JAX runs host callbacks
 # on its own threads: every interpreted launch, from either front end, takes this lock.
 INTERPRETER_LOCK = threading.Lock()

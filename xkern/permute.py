@@ -27,16 +27,19 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from xkern.launch import Launch, cdiv, next_pow2
+from xkern.launch import Launch, cdiv, next_pow2, row_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
 def _gather_rows_kernel(
     SRC, IDX,
     n_rows, n_cols, n_src_rows, src_row_stride,
     OUT,
+    ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN  # the plan's alignment made visible: 16-byte accesses
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
@@ -145,22 +148,23 @@ MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
 
 
-def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int) -> Launch:
+def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None) -> Launch:
     """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
 
-    Call: `kernel[grid](src, idx, out, n_rows=, n_cols=, n_src_rows=, src_row_stride=)`; out is
-    contiguous [n_rows, n_cols], src's last dim contiguous."""
+    Arrays `(src, idx, out)`, scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous
+    [n_rows, n_cols], src's last dim contiguous (its row stride defaults to n_cols)."""
+    align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
     return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps,
-                  {"BLOCK_M": block_m, "BLOCK_H": block_h})
+                  {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h})
 
 
 def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, Launch]:
     """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows.
 
-    Calls: `scatter[grid](idx, raw, n_slots=, n_rows=)`, `settle[grid](idx, raw, inv, n_slots=, n_rows=)`."""
+    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, both with `n_slots, n_rows`."""
     scatter = Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
     settle = Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
     return scatter, settle
@@ -169,9 +173,9 @@ def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, Launch]:
 def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, Launch]:
     """The one-program size/offset pass and the per-slot fill.
 
-    Calls: `sizes[(1,)](counts, m_sizes, m_offsets, row_start, rank_begin, n_experts=, n_ranks=, alignment=)`
-    and `fill[grid](counts, m_sizes, m_offsets, row_start, rank_begin, out, max_len=, n_experts=, n_ranks=)`;
-    row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
+    Arrays: sizes `(counts, m_sizes, m_offsets, row_start, rank_begin)` with `n_experts, n_ranks,
+    alignment`; fill `(counts, m_sizes, m_offsets, row_start, rank_begin, out)` with `max_len, n_experts,
+    n_ranks`. row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
     block_e = next_pow2(experts_per_rank)
     sizes = Launch(_expert_sizes_kernel, (1,), max(1, min(8, block_e // 256)), {"BLOCK_E": block_e})
     fill = Launch(_fill_indices_kernel, (max(1, cdiv(max_len, INDEX_BLOCK)),), 4,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2
+from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
@@ -218,14 +218,6 @@ CHUNK = 8192           # column chunk of the *_chunked kernels
 # rows; one row and many warps for wide rows.
 _BWD_TILES = {64: (64, 2, 4), 128: (32, 2, 4), 256: (64, 8, 1), 512: (8, 8, 2), 1024: (4, 8, 2),
               2048: (2, 8, 2), 4096: (4, 16, 1), 8192: (1, 16, 1), 16384: (1, 32, 1)}
-
-
-def row_align(n_cols: int, *row_strides: int) -> int:
-    """Largest power of two (at most 16) dividing the width and every row stride: 16-byte accesses."""
-    align = 16
-    while any(v % align for v in (n_cols, *row_strides)):
-        align //= 2
-    return align
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = ()) -> Launch:
