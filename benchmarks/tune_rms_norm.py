@@ -16,6 +16,7 @@ import time
 import torch
 import triton
 
+from torch_api._launch import launch as launch_plan
 from xkern import rms_norm as K
 from xkern.launch import Launch, cdiv, next_pow2
 
@@ -81,8 +82,7 @@ def bwd_candidates(m, n):
 
 def run_fwd(launch, x, w, y):
     m, n = x.shape
-    launch.kernel[launch.grid](x, w, y, n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n,
-                               **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    launch_plan(launch, x, w, y, n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n)
 
 
 def run_bwd(launch, reduce, x, w, dy, dx, dw):
@@ -90,11 +90,9 @@ def run_bwd(launch, reduce, x, w, dy, dx, dw):
     partial = torch.empty((launch.grid[0], n), dtype=torch.float32, device="cuda")
 
     def fn():
-        launch.kernel[launch.grid](x, w, dy, dx, partial, n_rows=m, n_cols=n, x_row_stride=n, dy_row_stride=n,
-                                   dx_row_stride=n, **launch.constexprs, num_warps=launch.num_warps,
-                                   num_stages=launch.num_stages)
-        reduce.kernel[reduce.grid](partial, dw, n_partials=launch.grid[0], n_cols=n, **reduce.constexprs,
-                                   num_warps=reduce.num_warps)
+        launch_plan(launch, x, w, dy, dx, partial, n_rows=m, n_cols=n, x_row_stride=n, dy_row_stride=n,
+                    dx_row_stride=n)
+        launch_plan(reduce, partial, dw, n_partials=launch.grid[0], n_cols=n)
     return fn
 
 
