@@ -12,6 +12,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xkern.launch import INTERPRETER_LOCK, Launch, bind, ordered_scalars, patch_interpreter_bf16_rounding
@@ -113,3 +114,21 @@ def _interpret(plan: Launch, out_types, scalars, *inputs):
     with INTERPRETER_LOCK:
         plan.kernel[plan.grid](**bind(plan, args, scalars))
     return outs
+
+
+def _varying(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def vary_like(a, like):
+    """Inside shard_map: give `a` the varying manual axes of `like` (kernel call outputs carry none)."""
+    missing = tuple(sorted(_varying(like) - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def map_batched(op, axis_size, in_batched, *args):
+    """vmap rule fallback for what cannot be folded into one launch: run `op` once per example."""
+    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+    return jax.lax.map(lambda a: op(*a), args)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_api._launch import call
+from jax_api._launch import call, map_batched, vary_like
 from xkern.permute import (
     check_counts,
     check_permutation,
@@ -28,7 +28,29 @@ _INDEX = (jnp.int32, jnp.int64)
 
 
 def _gather(x, idx, n_out: int):
-    """out[i] = x[idx[i]] (zero row at -1), [n_out, H]."""
+    """out[i] = x[idx[i]] (zero row at -1), [n_out, H]; under vmap see `_gather_op`."""
+    return _gather_op(n_out)(x, idx)
+
+
+@functools.cache
+def _gather_op(n_out: int):
+    @jax.custom_batching.custom_vmap
+    def op(x, idx):
+        return _gather_kernel(x, idx, n_out)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, x, idx):
+        if in_batched[1]:  # per-example indices: one launch per example
+            return map_batched(op, axis_size, in_batched, x, idx), True
+        # One index for the whole batch: the examples' rows side by side, one gather of B*H columns.
+        b, n, h = x.shape
+        out = op(jnp.moveaxis(x, 0, 1).reshape(n, b * h), idx)
+        return jnp.moveaxis(out.reshape(n_out, b, h), 1, 0), True
+
+    return op
+
+
+def _gather_kernel(x, idx, n_out: int):
     n_cols = x.shape[1]
     if n_out == 0 or n_cols == 0 or x.shape[0] == 0:  # nothing to read: zero tokens give padding only
         return jnp.zeros((n_out, n_cols), x.dtype)
@@ -39,6 +61,20 @@ def _gather(x, idx, n_out: int):
 
 
 def _inverse(idx, num_rows: int):
+    return _inverse_op(num_rows)(idx)
+
+
+@functools.cache
+def _inverse_op(num_rows: int):
+    @jax.custom_batching.custom_vmap
+    def op(idx):
+        return _inverse_kernel(idx, num_rows)
+
+    op.def_vmap(lambda axis_size, in_batched, idx: (map_batched(op, axis_size, in_batched, idx), True))
+    return op
+
+
+def _inverse_kernel(idx, num_rows: int):
     if num_rows == 0 or idx.shape[0] == 0:
         return jnp.full((num_rows,), -1, idx.dtype)
     scatter, settle = plan_inverse(idx.shape[0], num_rows)
@@ -49,9 +85,10 @@ def _inverse(idx, num_rows: int):
     return inv
 
 
+# Outputs of kernel calls carry no shard_map varying axes: `vary_like` gives them those of the input.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _permute(num_rows, x, idx):
-    return _gather(x, idx, idx.shape[0])
+    return vary_like(_gather(x, idx, idx.shape[0]), x)
 
 
 def _permute_fwd(num_rows, x, idx):
@@ -67,7 +104,7 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _unpermute(num_rows, y, idx):
-    return _gather(y, _inverse(idx, num_rows), num_rows)
+    return vary_like(_gather(y, _inverse(idx, num_rows), num_rows), y)
 
 
 def _unpermute_fwd(num_rows, y, idx):
@@ -160,12 +197,28 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
                          f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
     if validate:
         check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
+    outs = _generate_op(experts_per_rank, num_ranks, max_len, int(alignment))(counts)
+    return tuple(vary_like(o, counts) for o in outs)
+
+
+@functools.cache
+def _generate_op(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
+    @jax.custom_batching.custom_vmap
+    def op(counts):
+        return _generate_kernels(counts, experts_per_rank, num_ranks, max_len, alignment)
+
+    op.def_vmap(lambda axis_size, in_batched, counts: (map_batched(op, axis_size, in_batched, counts),
+                                                         (True, True, True)))
+    return op
+
+
+def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
     sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
     per_expert = jax.ShapeDtypeStruct((experts_per_rank,), jnp.int32)
     table = jax.ShapeDtypeStruct((counts.shape[0],), jnp.int32)
     m_sizes, m_offsets, row_start, rank_begin = call(
         sizes, [counts], [per_expert, per_expert, table, table],
-        n_experts=experts_per_rank, n_ranks=num_ranks, alignment=int(alignment))
+        n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment)
     if max_len == 0:
         return jnp.zeros((0,), jnp.int32), m_sizes, m_offsets
     (out,) = call(fill, [counts, m_sizes, m_offsets, row_start, rank_begin],
@@ -196,7 +249,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     num_rows = _check_count("num_rows", num_rows)
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), num_rows)
-    return _inverse(permuted_indices, num_rows)
+    return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
 
 
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):

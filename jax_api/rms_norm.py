@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_api._launch import call
+from jax_api._launch import call, map_batched, vary_like
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
 
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -55,12 +55,6 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
 
 
-def _map_over_batched_weight(op, axis_size, in_batched, *args):
-    """A batched weight cannot be folded into rows: run `op` once per example."""
-    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
-    return jax.lax.map(lambda a: op(*a), args)
-
-
 @functools.cache
 def _fwd_op(eps: float):
     @jax.custom_batching.custom_vmap
@@ -71,7 +65,7 @@ def _fwd_op(eps: float):
     def _(axis_size, in_batched, x, weight):
         x_batched, w_batched = in_batched
         if w_batched:
-            return _map_over_batched_weight(op, axis_size, in_batched, x, weight), True
+            return map_batched(op, axis_size, in_batched, x, weight), True
         return op(x, weight), True  # batch axis 0 of x: more rows
 
     return op
@@ -86,28 +80,16 @@ def _bwd_op(eps: float, n_batch_dims: int):
     @op.def_vmap
     def _(axis_size, in_batched, dy, x, weight):
         if in_batched[2]:
-            return _map_over_batched_weight(op, axis_size, in_batched, dy, x, weight), (True, True)
+            return map_batched(op, axis_size, in_batched, dy, x, weight), (True, True)
         dy, x = (a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip((dy, x), in_batched))
         return _bwd_op(eps, n_batch_dims + 1)(dy, x, weight), (True, True)
 
     return op
 
 
-def _varying(a) -> frozenset:
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
-    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
-
-
-def _vary_like(a, like):
-    """Inside shard_map: give `a` the varying manual axes of `like` (kernel call outputs carry none)."""
-    missing = tuple(sorted(_varying(like) - _varying(a)))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x, weight, eps):
-    return _vary_like(_fwd_op(eps)(x, weight), x)
+    return vary_like(_fwd_op(eps)(x, weight), x)
 
 
 def _rms_norm_fwd(x, weight, eps):
@@ -117,7 +99,7 @@ def _rms_norm_fwd(x, weight, eps):
 def _rms_norm_bwd(eps, residuals, dy):
     x, weight = residuals
     dx, dw = _bwd_op(eps, 0)(dy, x, weight)
-    return _vary_like(dx, x), _vary_like(dw, weight)
+    return vary_like(dx, x), vary_like(dw, weight)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -145,5 +127,5 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
         raise ValueError(f"eps must be >= 0, got {eps}")
     # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
     # summed over the mesh axes by the transpose of that cast.
-    weight = _vary_like(weight, x)
+    weight = vary_like(weight, x)
     return _rms_norm(x, weight, float(eps))

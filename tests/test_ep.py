@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     import torch_api
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=180))
     try:
         for case_id, (tokens, num_experts, top_k, alignment, empty) in enumerate(CASES[world]):
             xs, ids, ws, weight, dout = _inputs(case_id, tokens, num_experts, top_k, empty)
@@ -125,11 +125,11 @@ def test_ep_dispatch_combine_gloo(world):
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = saved
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail("ranks did not finish in 90 s")
+                pytest.fail("ranks did not finish in 300 s")
     finally:
         for p in ctx.processes:  # only ours, by handle: nothing is left behind on failure
             if p.is_alive():
