@@ -76,3 +76,34 @@ def test_inductor_fullgraph_block_matches_eager():
     # be fused differently from eager, so the block is compared with a tolerance.
     assert torch.allclose(out_c.float(), out_e.float(), rtol=2e-2, atol=2e-2)
     assert torch.allclose(wc.grad.float(), ws.grad.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_jax_jit_step_mixing_xkern_and_xla():
+    """A jitted training step on the GPU: xkern kernels (rms_norm, the gathers) between XLA ops."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_api
+
+    counts = jnp.asarray(np.array([40, 0, 25, 31, 7, 12, 0, 9], np.int32))  # 2 ranks x 4 experts
+    idx, _, _ = jax_api.generate_permute_indices(counts, 4, 2, 124 + 4 * 16, 16)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (124, 256), jnp.bfloat16)
+    params = {"norm": jnp.ones(256, jnp.bfloat16), "w": 0.05 * jax.random.normal(keys[1], (256, 256), jnp.bfloat16)}
+
+    def loss(p, x):
+        h = jax_api.rms_norm(x, p["norm"])
+        h = jax_api.unpermute_rows(jax_api.permute_rows(h, idx) @ p["w"], idx, x.shape[0])
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    def step(p, x):
+        value, grads = jax.value_and_grad(loss)(p, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g.astype(a.dtype), p, grads), value
+
+    values = []
+    for _ in range(3):
+        params, value = step(params, x)
+        values.append(float(value))
+    assert all(np.isfinite(values)) and values[-1] < values[0]
