@@ -21,7 +21,8 @@ NUM_SMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One kernel launch: ``kernel[grid](*inputs, *outputs, **scalars, **constexprs, num_warps=...)``."""
+    """One kernel launch: ``kernel[grid](**bind(launch, arrays, scalars), num_warps=..., num_stages=...)``;
+    `constexprs` holds every constexpr parameter of the kernel."""
 
     kernel: Any
     grid: tuple[int, ...]
