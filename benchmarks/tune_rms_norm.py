@@ -1,15 +1,26 @@
 """Offline sweep of RMSNorm launch configurations on the GPU (what the fixed plans in xkern/ come from).
 
-    python -m benchmarks.tune_rms_norm [--quick]
+    python -m benchmarks.tune_rms_norm [--passes fwd,bwd,cols,reduce] [--out results.json]
 
-Times each candidate (kernel, BLOCK_M, BLOCK_N, warps, grid) with do_bench (median), prints GB/s over the
-minimum bytes and the fraction of the measured copy ceiling, and the current plan's figure beside it.
+Times each candidate with `triton.testing.do_bench` (median, L2 flushed before each call) and prints the
+fraction of the copy ceiling over the minimum bytes, the current plan's figure beside the best. Candidates
+are compiled first in parallel worker processes (Triton's disk cache), so the sweep itself only times.
+
+- fwd: the forward kernels (tile rows, warps; grid of the persistent chunked kernel for the widest rows).
+- bwd: the joint backward kernel with the dw reduction its partial count needs; the plan's
+  backward split into kernel and reduction, to show where the time goes.
+- cols: the wide-row backward's two steps (row statistics; the column-split kernel) timed apart.
+- reduce: the dw reduction alone over partial counts and widths.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import json
+import multiprocessing
+import os
 import sys
 import time
 
@@ -18,129 +29,257 @@ import triton
 
 from torch_api._launch import launch as launch_plan
 from xkern import rms_norm as K
-from xkern.launch import Launch, cdiv, next_pow2
+from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
 
 SHAPES = [(262144, 128), (32768, 128), (262144, 64), (65536, 256), (8192, 2048), (32768, 4096), (8192, 8192),
           (4096, 16384), (2048, 32768), (1024, 65536)]
+EPS = 1e-6
+DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e-3
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3
 
 
 def copy_ceiling() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
     b = torch.empty_like(a)
     return 2 * a.numel() / bench(lambda: b.copy_(a)) / 1e9
 
 
-EPS = 1e-6
-
-
-def _fixed(n):
-    return {"EPS": EPS, "ROW_ALIGN": K.row_align(n)}
+def _fixed(n, eps=True):
+    return {"EPS": EPS, "ROW_ALIGN": row_align(n)} if eps else {"ROW_ALIGN": row_align(n)}
 
 
 def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
-    if n >= 16384:
-        out += [Launch(K._rms_norm_fwd_chunked_kernel, (m,), w, {**_fixed(n), "BLOCK_N": c}) for c in (2048, 4096, 8192)
-                for w in (4, 8, 16)]
-    for bm in (1, 2, 4, 8, 16, 32, 64, 128):
-        if bm * bn > 65536 or bm * bn < 256:
+    if n >= 32768:
+        out += [Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
+                for c in (4096, 8192) for w in (8, 16, 32) for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
+                if 8 <= c // (32 * w) <= 32]
+    for bm in (1, 2, 4, 8, 16, 32, 64):
+        if bm * bn > 32768 or bm * bn < 512:
             continue
         for w in (1, 2, 4, 8, 16, 32):
-            per_thread = bm * bn // (32 * w)
-            if 8 <= per_thread <= 64:
-                out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w,
-                                  {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
+            if 8 <= bm * bn // (32 * w) <= 32:
+                out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
 
 def bwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
-    for c in (2048, 4096, 8192):
-        if n > 8192:
-            for w in (8, 16):
-                for g in (66, 132, 264):
-                    out.append(Launch(K._rms_norm_bwd_chunked_kernel, (min(m, g), 1), w, {**_fixed(n), "BLOCK_N": c}))
-    if bn <= 32768:
-        for bm in (1, 2, 4, 8, 16, 32, 64):
-            if bm * bn > 32768 or bm * bn < 256:
+    for bm in (1, 2, 4, 8, 16, 32, 64, 128):
+        if bm * bn > 16384 or bm * bn < 512 or bm > m:
+            continue
+        for w in (1, 2, 4, 8, 16, 32):
+            if not 4 <= bm * bn // (32 * w) <= 32:
                 continue
-            for w in (2, 4, 8, 16, 32):
-                per_thread = bm * bn // (32 * w)
-                if not 8 <= per_thread <= 64:
-                    continue
-                for ppsm in (1, 2, 4, 8, 16):
-                    g = min(cdiv(m, bm), 132 * ppsm)
-                    out.append(Launch(K._rms_norm_bwd_kernel, (g, 1), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
+            tiles = cdiv(m, bm)
+            for ppsm in (1, 2, 4, 8, 16):
+                out.append(Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
+                                  {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
+                if tiles <= NUM_SMS * ppsm:
+                    break
     return out
 
 
-def run_fwd(launch, x, w, y):
-    m, n = x.shape
-    launch_plan(launch, x, w, y, n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n)
+def stats_candidates(m, n):
+    return [Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
+            for c in (2048, 4096, 8192) for w in (4, 8, 16) if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)]
 
 
-def run_bwd(launch, reduce, x, w, dy, dx, dw):
-    m, n = x.shape
-    partial = torch.empty((launch.grid[0], n), dtype=torch.float32, device="cuda")
+def cols_candidates(m, n):
+    out = []
+    for bn in (512, 1024, 2048, 4096):
+        for bm in (1, 2, 4, 8):
+            for w in (4, 8, 16):
+                if not 4 <= bm * bn // (32 * w) <= 32 or bn > next_pow2(n):
+                    continue
+                for programs in (2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
+                    groups = max(1, min(cdiv(m, bm), programs // cdiv(n, bn)))
+                    out.append(Launch(K._rms_norm_bwd_cols_kernel, (cdiv(n, bn), groups, 1), w,
+                                      {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn}))
+    return out
 
-    def fn():
-        launch_plan(launch, x, w, dy, dx, partial, n_rows=m, n_cols=n, x_row_stride=n, dy_row_stride=n,
-                    dx_row_stride=n)
-        launch_plan(reduce, partial, dw, n_partials=launch.grid[0], n_cols=n)
-    return fn
+
+def reduce_candidates(n):
+    return [Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
+            for bn in (16, 32, 64) for bp in (64, 128, 256, 512) for w in (2, 4, 8)
+            if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64]
+
+
+# --- running one launch on the shapes' buffers -------------------------------------------------------------
+
+def arrays_for(launch, buf):
+    """The kernel's arrays, in order, from the shape's buffers (partials sized for the launch)."""
+    name = launch.kernel.fn.__name__
+    m, n = buf["x"].shape
+    if name == "_rms_norm_fwd_kernel" or name == "_rms_norm_fwd_chunked_kernel":
+        return [buf["x"], buf["w"], buf["y"]]
+    if name == "_rms_norm_bwd_stats_kernel":
+        return [buf["x"], buf["w"], buf["dy"], buf["stats"]]
+    if name == "_dw_reduce_kernel":
+        return [buf["partial"][: buf["n_partials"] * n].view(-1, n), buf["dw"]]
+    partial = buf["partial"][: partials_of(launch) * n].view(-1, n)
+    if name == "_rms_norm_bwd_cols_kernel":
+        return [buf["x"], buf["w"], buf["dy"], buf["stats"], buf["dx"], partial]
+    return [buf["x"], buf["w"], buf["dy"], buf["dx"], partial]
+
+
+def partials_of(launch) -> int:
+    return launch.grid[1] if launch.kernel.fn.__name__ == "_rms_norm_bwd_cols_kernel" else launch.grid[0]
+
+
+def runner(launch, buf):
+    m, n = buf["x"].shape
+    arrays = arrays_for(launch, buf)
+    scalars = dict(n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n, dy_row_stride=n, dx_row_stride=n,
+                   n_partials=buf.get("n_partials", 0))
+    return lambda: launch_plan(launch, *arrays, **scalars)
+
+
+def buffers(m, n, max_partials=8 * NUM_SMS * 64):
+    torch.manual_seed(0)
+    x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    return {"x": x, "w": torch.randn(n, device=DEVICE, dtype=torch.bfloat16), "dy": torch.randn_like(x),
+            "y": torch.empty_like(x), "dx": torch.empty_like(x), "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
+            "stats": torch.empty(m, 2, device=DEVICE),
+            "partial": torch.empty(min(max_partials, 4 * 1024 * 1024 * 1024 // (4 * n) // 8) * n, device=DEVICE)}
+
+
+def _compile_one(job):
+    name, grid, num_warps, constexprs, n = job
+    launch = Launch(getattr(K, name), grid, num_warps, constexprs)
+    buf = buffers(64, n, max_partials=64 * 32)
+    small = dataclasses.replace(launch, grid=(1,) * len(launch.grid))
+    if small.kernel.fn.__name__ == "_dw_reduce_kernel":
+        buf["n_partials"] = 1
+    try:
+        runner(small, buf)()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return None
+    except Exception as e:  # too many registers etc.: reported, then skipped in the sweep
+        return f"{describe(launch)}: {type(e).__name__} {str(e)[:80]}"
+
+
+def precompile(jobs):
+    """Compile every candidate in up to 14 processes (fills Triton's disk cache; the timing process then loads)."""
+    uniq = {}
+    for launch, n in jobs:
+        uniq[(launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, row_align(n))] = (launch, n)
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(14, os.cpu_count() or 1), mp_context=ctx) as pool:
+        jobs = [(c.kernel.fn.__name__, c.grid, c.num_warps, c.constexprs, n) for c, n in uniq.values()]
+        for err in pool.map(_compile_one, jobs):
+            if err:
+                print("  compile failed:", err, file=sys.stderr)
+    print(f"precompiled {len(uniq)} binaries in {time.time() - t0:.0f} s", flush=True)
 
 
 def describe(launch):
-    return f"{launch.kernel.fn.__name__[10:]} {launch.constexprs} w{launch.num_warps} g{launch.grid[0]}"
+    return f"{launch.kernel.fn.__name__[1:].replace('_kernel', '')} {launch.constexprs} w{launch.num_warps} g{launch.grid}"
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--passes", default="fwd,bwd")
-    p.add_argument("--budget", type=float, default=18.0, help="seconds of sweeping per shape and pass")
+    p.add_argument("--passes", default="fwd,bwd,cols,reduce")
+    p.add_argument("--shapes", default=None, help="e.g. 262144x128,1024x65536")
     args = p.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    passes = args.passes.split(",")
+
+    plans = {}
+    jobs = []
+    for m, n in shapes:
+        plans[(m, n)] = (K.plan_rms_norm_fwd(m, n, EPS), K.plan_rms_norm_bwd(m, n, EPS))
+        fwd, bwd = plans[(m, n)]
+        cands = {"fwd": [fwd] + fwd_candidates(m, n) if "fwd" in passes else [],
+                 "bwd": [bwd.bwd] + (bwd_candidates(m, n) if n <= K.MAX_BWD_BLOCK else []) if "bwd" in passes else [],
+                 "stats": stats_candidates(m, n) if "cols" in passes and n >= 8192 else [],
+                 "cols": cols_candidates(m, n) if "cols" in passes and n >= 8192 else []}
+        plans[(m, n)] += (cands,)
+        for c in [x for v in cands.values() for x in v] + [l for l in (bwd.stats, bwd.reduce) if l]:
+            jobs.append((c, n))
+            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_cols_kernel"):
+                jobs.append((K.plan_dw_reduce(partials_of(c), n), n))
+    if "reduce" in passes:
+        for n in (64, 128, 256, 2048, 16384, 65536):
+            jobs += [(c, n) for c in reduce_candidates(n)]
+    precompile(jobs)
+
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
 
-    def sweep(name, shape, nbytes, plan, cands, make_fn):
-        """Time the plan (first) and each candidate within the budget; record plan vs best."""
-        timed, t0 = [], time.time()
-        for c in [plan] + cands:
-            if time.time() - t0 > args.budget:
-                break
-            try:
-                timed.append((bench(make_fn(c)), c))
-            except Exception as e:  # a candidate that does not compile (registers) is just skipped
-                print(f"  skip {describe(c)}: {type(e).__name__}", file=sys.stderr)
-        (plan_t, _), (best_t, best) = timed[0], min(timed, key=lambda t: t[0])
-        row = {"pass": name, "shape": list(shape), "plan": describe(plan), "best": describe(best),
-               "plan_frac": nbytes / plan_t / 1e9 / ceiling, "best_frac": nbytes / best_t / 1e9 / ceiling}
+    def record(name, shape, nbytes, timed, plan_t=None):
+        timed = [t for t in timed if t[0] is not None]
+        best_t, best = min(timed, key=lambda t: t[0])
+        top = sorted(timed, key=lambda t: t[0])[:3]
+        row = {"pass": name, "shape": list(shape), "best": describe(best), "best_us": best_t * 1e6,
+               "best_frac": nbytes / best_t / 1e9 / ceiling, "n_timed": len(timed),
+               "top3": [(t * 1e6, describe(c)) for t, c in top]}
+        if plan_t is not None:
+            row.update(plan_us=plan_t * 1e6, plan_frac=nbytes / plan_t / 1e9 / ceiling)
         results.append(row)
-        print(f"{name} {shape[0]}x{shape[1]}: plan {row['plan_frac']:.3f} [{row['plan']}]  "
-              f"best {row['best_frac']:.3f} [{row['best']}]", flush=True)
+        plan = f"plan {row['plan_frac']:.3f} ({row['plan_us']:.1f} us)  " if plan_t is not None else ""
+        print(f"{name} {shape[0]}x{shape[1]}: {plan}best {row['best_frac']:.3f} ({best_t * 1e6:.1f} us) "
+              f"[{row['best']}]  of {len(timed)}", flush=True)
+        for t, c in top[1:]:
+            print(f"    {t * 1e6:.1f} us [{describe(c)}]", flush=True)
 
-    for m, n in SHAPES:
-        torch.manual_seed(0)
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
-        if "fwd" in args.passes:
-            sweep("fwd", (m, n), 2 * x.numel() * 2, K.plan_rms_norm_fwd(m, n, EPS),
-                  [] if args.quick else fwd_candidates(m, n), lambda c, x=x, w=w, y=y: lambda: run_fwd(c, x, w, y))
-        if "bwd" in args.passes:
-            plan, reduce = K.plan_rms_norm_bwd(m, n, EPS)
-            sweep("bwd", (m, n), 3 * x.numel() * 2, plan, [] if args.quick else bwd_candidates(m, n),
-                  lambda c, a=(reduce, x, w, dy, dx, dw): run_bwd(c, *a))
+    def timeit(fns):
+        try:
+            return bench(lambda: [f() for f in fns])
+        except Exception as e:
+            print(f"  failed: {type(e).__name__} {str(e)[:100]}", file=sys.stderr)
+            return None
+
+    for m, n in shapes:
+        fwd, bwd, cands = plans[(m, n)]
+        buf = buffers(m, n)
+        io = x_bytes = m * n * 2
+        if cands["fwd"]:
+            timed = [(timeit([runner(c, buf)]), c) for c in cands["fwd"]]
+            record("fwd", (m, n), 2 * io, timed, timed[0][0])
+        if cands["bwd"]:
+            def with_reduce(c):
+                reduce = K.plan_dw_reduce(partials_of(c), n)
+                b2 = {**buf, "n_partials": partials_of(c)}
+                return [runner(c, buf), runner(reduce, b2)]
+            plan_fns = ([runner(bwd.stats, buf)] if bwd.stats else []) + [runner(bwd.bwd, buf)]
+            plan_t = timeit(plan_fns + [runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
+            k_t = timeit(plan_fns)
+            r_t = timeit([runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
+            print(f"bwd {m}x{n}: plan split: kernels {k_t * 1e6:.1f} us + reduce {r_t * 1e6:.1f} us "
+                  f"(P={bwd.n_partials})", flush=True)
+            timed = [(timeit(with_reduce(c)), c) for c in cands["bwd"]]
+            record("bwd+reduce", (m, n), 3 * io, timed, plan_t)
+        if cands["cols"]:
+            st = [(timeit([runner(c, buf)]), c) for c in cands["stats"]]
+            record("stats", (m, n), 2 * io, st)
+            ct = [(timeit([runner(c, buf)]), c) for c in cands["cols"]]
+            record("cols", (m, n), 3 * io, ct)
+            best_c = min((t for t in ct if t[0]), key=lambda t: t[0])[1]
+            red = K.plan_dw_reduce(partials_of(best_c), n)
+            total = timeit([runner(min((t for t in st if t[0]), key=lambda t: t[0])[1], buf), runner(best_c, buf),
+                            runner(red, {**buf, "n_partials": partials_of(best_c)})])
+            record("stats+cols+reduce", (m, n), 3 * io, [(total, best_c)])
+        del buf
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    if "reduce" in passes:
+        for n in (64, 128, 256, 2048, 16384, 65536):
+            for parts in (132, 528, 2112):
+                buf = {"partial": torch.randn(parts * n, device=DEVICE), "dw": torch.empty(n, device=DEVICE,
+                       dtype=torch.bfloat16), "x": torch.empty(1, n), "n_partials": parts}
+                plan = K.plan_dw_reduce(parts, n)
+                timed = [(timeit([runner(c, buf)]), c) for c in [plan] + reduce_candidates(n)]
+                record(f"reduce P={parts}", (parts, n), parts * n * 4, timed, timed[0][0])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"ceiling_gbs": ceiling, "rows": results}, f, indent=1)

@@ -43,15 +43,16 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
     if x.size == 0:
         return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, weight.dtype)
     n_rows = x.size // n_cols // n_batch
-    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, eps, n_batch=n_batch)
-    x2, dy2 = x.reshape(-1, n_cols), dy.reshape(-1, n_cols)
-    dx, partial = call(bwd, [x2, weight, dy2],
-                       [jax.ShapeDtypeStruct(x2.shape, x.dtype),
-                        jax.ShapeDtypeStruct((n_batch * bwd.grid[0], n_cols), jnp.float32)],
-                       n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols,
-                       dx_row_stride=n_cols)
-    (dw,) = call(reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
-                 n_partials=bwd.grid[0], n_cols=n_cols)
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, n_batch=n_batch)
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols, dx_row_stride=n_cols)
+    inputs = [x.reshape(-1, n_cols), weight, dy.reshape(-1, n_cols)]
+    if plan.stats is not None:
+        inputs += call(plan.stats, inputs, [jax.ShapeDtypeStruct((n_batch * n_rows, 2), jnp.float32)], **scalars)
+    dx, partial = call(plan.bwd, inputs,
+                       [jax.ShapeDtypeStruct(inputs[0].shape, x.dtype),
+                        jax.ShapeDtypeStruct((n_batch * plan.n_partials, n_cols), jnp.float32)], **scalars)
+    (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
+                 n_partials=plan.n_partials, n_cols=n_cols)
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
 
 

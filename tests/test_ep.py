@@ -102,6 +102,9 @@ def _worker(rank: int, world: int, port: int) -> None:
             # every token returns to its place: identity experts and unit weights give K * x exactly
             back = torch_api.ep_combine(xp.detach(), torch.ones(tokens[rank], top_k), handle)
             assert torch.equal(back, xs[rank] * top_k), (case_id, rank)
+        # every rank done before teardown: a rank tearing gloo down while a peer still talks to it can
+        # abort ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

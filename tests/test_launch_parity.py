@@ -87,16 +87,20 @@ def _child() -> None:
             t = {name: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for name, shape, dt in
                  (("x", (rows, n), x_dt), ("w", (n,), w_dt), ("y", (rows, n), y_dt))}
             fwd = plan_rms_norm_fwd(rows, n, eps, (n, n))
-            bwd, reduce = plan_rms_norm_bwd(rows, n, eps, (n, n, n))
-            partial = torch.empty((bwd.grid[0], n), dtype=torch.float32, device="meta")
+            bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n))
+            partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
+            stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
+            scalars = dict(n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)
+            inputs = [t["x"], t["w"], t["y"]] + ([stats] if bwd.stats else [])
             ours = {
                 fwd.kernel.fn.__name__: _torch_ptx(fwd, [t["x"], t["w"], t["y"]], dict(
                     n_rows=rows, n_cols=n, x_row_stride=n, y_row_stride=n)),
-                bwd.kernel.fn.__name__: _torch_ptx(bwd, [t["x"], t["w"], t["y"], t["x"], partial], dict(
-                    n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)),
-                reduce.kernel.fn.__name__: _torch_ptx(reduce, [partial, t["w"]], dict(
-                    n_partials=bwd.grid[0], n_cols=n)),
+                bwd.bwd.kernel.fn.__name__: _torch_ptx(bwd.bwd, inputs + [t["x"], partial], scalars),
+                bwd.reduce.kernel.fn.__name__: _torch_ptx(bwd.reduce, [partial, t["w"]], dict(
+                    n_partials=bwd.n_partials, n_cols=n)),
             }
+            if bwd.stats:
+                ours[bwd.stats.kernel.fn.__name__] = _torch_ptx(bwd.stats, [t["x"], t["w"], t["y"], stats], scalars)
             if n % 16 == 0:  # 16-byte rows: the forward must use 16-byte accesses (the bandwidth depends on it)
                 assert "ld.global.v4" in ours[fwd.kernel.fn.__name__], f"{rows}x{n} {x_dt}: forward not vectorized"
             for name, ptx in ours.items():

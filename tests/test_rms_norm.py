@@ -165,13 +165,18 @@ def test_every_output_element_is_written():
         launch(plan_rms_norm_fwd(rows, width, EPS), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
                y_row_stride=width)
         assert same_bits(y, torch_api.rms_norm(x, w, EPS))
-        bwd, reduce = plan_rms_norm_bwd(rows, width, EPS)
+        plan = plan_rms_norm_bwd(rows, width, EPS)
+        scalars = dict(n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width, dx_row_stride=width)
+        inputs = [x, w, dy]
+        if plan.stats is not None:
+            stats = torch.full((rows, 2), float("nan"), device=x.device)
+            launch(plan.stats, *inputs, stats, **scalars)
+            inputs.append(stats)
         dx = torch.full_like(x, float("nan"))
-        partial = torch.full((bwd.grid[0], width), float("nan"), device=x.device)
+        partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
         dw = torch.full_like(w, float("nan"))
-        launch(bwd, x, w, dy, dx, partial, n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
-               dx_row_stride=width)
-        launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=width)
+        launch(plan.bwd, *inputs, dx, partial, **scalars)
+        launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
         ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
         assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
 

@@ -45,12 +45,18 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_rows = x2.shape[0]
     if x2.numel() == 0:
         return dx, torch.zeros_like(weight)
-    bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
-    partial = torch.empty((bwd.grid[0], n_cols), dtype=torch.float32, device=x.device)
-    launch(bwd, x2, weight, dy2, dx, partial, n_rows=n_rows, n_cols=n_cols, x_row_stride=x2.stride(0),
-           dy_row_stride=dy2.stride(0), dx_row_stride=n_cols)
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x2.stride(0), dy_row_stride=dy2.stride(0),
+                   dx_row_stride=n_cols)
+    inputs = [x2, weight, dy2]
+    if plan.stats is not None:
+        stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
+        launch(plan.stats, *inputs, stats, **scalars)
+        inputs.append(stats)
+    partial = torch.empty((plan.n_partials, n_cols), dtype=torch.float32, device=x.device)
+    launch(plan.bwd, *inputs, dx, partial, **scalars)
     dw = torch.empty_like(weight)
-    launch(reduce, partial, dw, n_partials=bwd.grid[0], n_cols=n_cols)
+    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=n_cols)
     return dx, dw
 
 

@@ -83,7 +83,9 @@ def patch_interpreter_bf16_rounding() -> None:
 
 def bind(launch: Launch, arrays, scalars: dict) -> dict:
     """Keyword arguments for `launch.kernel`: `arrays` (inputs, then outputs) bound in order to its pointer
-    parameters, `scalars` by name, and the plan's constexprs."""
+    parameters, those of `scalars` it takes by name (the launches of one op share one dict), and the
+    plan's constexprs."""
+    scalars = {name: scalars[name] for name in launch.kernel.arg_names if name in scalars}
     fixed = scalars.keys() | launch.constexprs.keys()
     pointers = [name for name in launch.kernel.arg_names if name not in fixed]
     if len(pointers) != len(arrays):

@@ -20,10 +20,14 @@ compiler sees it; and EPS is a compile-time constant (one binary per eps value, 
 
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
 many rows per tile; wide rows get BLOCK_M = 1 (a row kernel). Rows wider than the largest register
-block go to the `*_chunked` kernels, which loop over column chunks: every width works.
+block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the backward computes the
+row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
+(`_rms_norm_bwd_cols_kernel`). Every width works.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import triton
 import triton.language as tl
@@ -64,22 +68,24 @@ def _rms_norm_fwd_chunked_kernel(
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * x_row_stride
-    y_row = Y + row * y_row_stride
-    sum_sq = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        sum_sq += x * x
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
+    # Rows too wide for registers: pass 1 sums x**2 in chunks, pass 2 re-reads the row from L2. Persistent
+    # (grid-stride over rows) so that the rows in flight, hence pass 2's reads, fit in L2.
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        x_row = X + row * x_row_stride
+        y_row = Y + row * y_row_stride
+        sum_sq = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            sum_sq += x * x
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
@@ -130,57 +136,77 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_chunked_kernel(
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
+def _rms_norm_bwd_stats_kernel(
     X, W, DY,
-    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
-    DX, DW_PARTIAL,
+    n_rows, n_cols, x_row_stride, dy_row_stride,
+    STATS,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
-    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
-    # Rows too wide for registers: pass 1 gathers the two row sums, pass 2 (re-reading the row, mostly
-    # from L2) writes dx and adds into this program's own dw partial row in memory.
-    pid = tl.program_id(0)
+    # Rows too wide for registers, step 1: rstd and mean(g * n) of each row, in column chunks.
+    row = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
+    x_row = X + (batch * n_rows + row) * x_row_stride
+    dy_row = DY + (batch * n_rows + row) * dy_row_stride
+    sum_sq = tl.zeros([BLOCK_N], tl.float32)
+    sum_gx = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        sum_sq += x * x
+        sum_gx += (dy * w).to(X.dtype.element_ty).to(tl.float32) * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
+    stats = STATS + (batch * n_rows + row) * 2
+    tl.store(stats, rstd)
+    tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd / n_cols)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_cols_kernel(
+    X, W, DY, STATS,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
+    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
+    # Step 2, split by columns: program (c, g) owns column block c of row tiles g, g + G, ... so its dw
+    # partial stays in registers; x and dy are read a second time (10 bytes per element instead of 6).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    group = tl.program_id(1)
+    n_groups = tl.num_programs(1)
+    batch = tl.program_id(2).to(tl.int64)
     X += batch * n_rows * x_row_stride
     DY += batch * n_rows * dy_row_stride
     DX += batch * n_rows * dx_row_stride
-    dw_row = DW_PARTIAL + (batch * tl.num_programs(0) + pid) * n_cols
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        tl.store(dw_row + cols, tl.zeros([BLOCK_N], tl.float32), mask=cols < n_cols)
-    for row in range(pid.to(tl.int64), n_rows, tl.num_programs(0)):  # int64 row: offsets past 2**31
-        x_row = X + row * x_row_stride
-        dy_row = DY + row * dy_row_stride
-        sum_sq = tl.zeros([BLOCK_N], tl.float32)
-        sum_gx = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
-            sum_sq += x * x
-            sum_gx += g * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
-        mean_gn = tl.sum(sum_gx, axis=0) * rstd / n_cols
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            n = x * rstd
-            g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
-            dx = rstd * (g - n * mean_gn)
-            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            n_lp = n.to(X.dtype.element_ty).to(tl.float32)
-            dw = tl.load(dw_row + cols, mask=mask, other=0.0)
-            tl.store(dw_row + cols, dw + (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), mask=mask)
+    STATS += batch * n_rows * 2
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    for tile in range(group, tl.cdiv(n_rows, BLOCK_M), n_groups):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        rstd = tl.load(STATS + rows * 2, mask=row_mask, other=0.0)[:, None]
+        mean_gn = tl.load(STATS + rows * 2 + 1, mask=row_mask, other=0.0)[:, None]
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        n = x * rstd
+        g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        dx = rstd * (g - n * mean_gn)
+        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum((dy * n.to(X.dtype.element_ty).to(tl.float32)).to(DY.dtype.element_ty).to(tl.float32),
+                         axis=0)
+    tl.store(DW_PARTIAL + ((batch * n_groups + group) * n_cols + cols), dw_acc, mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["n_partials", "n_cols"])
@@ -211,7 +237,12 @@ def _dw_reduce_kernel(
 
 MAX_FWD_BLOCK = 32768  # widest row the forward holds in registers (32 warps x 32 fp32 per thread)
 MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
-CHUNK = 8192           # column chunk of the *_chunked kernels
+CHUNK = 8192           # column chunk of the chunked forward
+FWD_CHUNKED_PROGRAMS = 2 * NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
+COLS_STATS_CHUNK = 4096  # column chunk of the backward's row statistics pass
+# Column-split backward tile: (BLOCK_M, BLOCK_N, num_warps, programs)
+_BWD_COLS_TILE = (2, 2048, 8, 4 * NUM_SMS)
+REDUCE_BLOCK_N, REDUCE_BLOCK_P = 32, 256
 
 # Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM). From benchmarks/tune_rms_norm.py
 # on an H200 (bf16, 2026-12-02): small tiles with few warps and several programs per SM for narrow
@@ -224,7 +255,8 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols)."""
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides)}
     if n_cols > MAX_FWD_BLOCK:
-        return Launch(_rms_norm_fwd_chunked_kernel, (n_rows,), 16, {**fixed, "BLOCK_N": CHUNK})
+        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 16,
+                      {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
     if block_n <= 256:  # narrow rows: 1024-element tiles of many rows
         block_m, num_warps = 1024 // block_n, (4 if block_n == 128 else 2)
@@ -235,26 +267,51 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                   {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
 
 
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """The backward's launches, in order. `stats` (rows wider than MAX_BWD_BLOCK only): x, w, dy -> STATS
+    [n_batch * n_rows, 2] fp32, which `bwd` then takes as a fourth input. `bwd`: x, w, dy[, stats] -> dx and
+    dw partials [n_batch, n_partials, n_cols] fp32. `reduce`: partials -> dw [n_batch, n_cols]."""
+
+    stats: Launch | None
+    bwd: Launch
+    reduce: Launch
+    n_partials: int
+
+
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
-                      n_batch: int = 1) -> tuple[Launch, Launch]:
+                      n_batch: int = 1) -> BwdPlan:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
-    (n_batch > 1 only under jax.vmap: per-example dw). Partials are [n_batch, bwd.grid[0], n_cols] fp32.
-    `row_strides`: the x, dy and dx row strides (default: contiguous)."""
+    (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
+    (default: contiguous)."""
     block_n = next_pow2(n_cols)
-    fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides)}
+    fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides)}
+    stats = None
     if n_cols > MAX_BWD_BLOCK:
-        grid = max(1, min(n_rows, NUM_SMS))
-        bwd = Launch(_rms_norm_bwd_chunked_kernel, (grid, n_batch), 16, {**fixed, "BLOCK_N": CHUNK})
+        stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8,
+                       {**fixed, "EPS": float(eps), "BLOCK_N": COLS_STATS_CHUNK})
+        block_m, block_n, num_warps, programs = _BWD_COLS_TILE
+        col_blocks = cdiv(n_cols, block_n)
+        groups = max(1, min(cdiv(n_rows, block_m), programs // col_blocks))
+        bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
+                     {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
     else:
         block_m, num_warps, programs_per_sm = _BWD_TILES[max(block_n, 64)]
         block_m = max(1, min(block_m, next_pow2(n_rows)))
-        grid = max(1, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
-        bwd = Launch(_rms_norm_bwd_kernel, (grid, n_batch), num_warps,
-                     {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
-    block_n = min(block_n, 128)
-    reduce = Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), 4,
-                    {"ROW_ALIGN": row_align(n_cols), "BLOCK_P": 32, "BLOCK_N": block_n})
-    return bwd, reduce
+        groups = max(1, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
+        bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
+                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n})
+    return BwdPlan(stats, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
+
+
+def plan_dw_reduce(n_partials: int, n_cols: int, n_batch: int = 1) -> Launch:
+    """Column blocks of one 128-byte line, each program summing all the partials in one or a few steps:
+    many programs, few dependent loads (the reduction is latency-bound, not bandwidth-bound)."""
+    block_n = min(next_pow2(n_cols), REDUCE_BLOCK_N)
+    block_p = min(next_pow2(n_partials), REDUCE_BLOCK_P)
+    num_warps = max(1, min(8, block_p * block_n // 256))
+    return Launch(_dw_reduce_kernel, (cdiv(n_cols, block_n), n_batch), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols), "BLOCK_P": block_p, "BLOCK_N": block_n})
 
 
 def compile_variants():
@@ -271,6 +328,8 @@ def compile_variants():
         y_dtype = x_dtype if x_dtype == w_dtype else "float32"
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
                 "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
-        bwd, reduce = plan_rms_norm_bwd(n_rows, n_cols, 1e-6)
-        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6), bwd, reduce):
-            yield launch, ptrs
+        ptrs["STATS"] = "*fp32"
+        bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6)
+        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6), bwd.stats, bwd.bwd, bwd.reduce):
+            if launch is not None:
+                yield launch, ptrs
