@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 20000), (2, 40000)]
+# No scalar argument may equal 1 here: jax-triton 0.3.1 folds any integer argument equal to 1 into the
+# binary (a constant in place of a runtime 1: other PTX, the same arithmetic). (5, 40000) gives 3 dw partials.
+SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 20000), (5, 40000)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
 
 
