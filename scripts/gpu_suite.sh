@@ -12,9 +12,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   # Kernel compiles dominate the run: spread the files over 4 processes where pytest-xdist is installed
   # (it is on the H200 image); the GPU has room for all of them.
   XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
-  "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ 2>&1
+  timeout "${SUITE_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ 2>&1
+  echo "pytest rc=$?"
 } | tee "$LOGS/gpu_suite.log"
 {
   echo "# $(date -u +%FT%TZ) compute-sanitizer --tool memcheck, PYTORCH_NO_CUDA_MEMORY_CACHING=1"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --print-limit 20 "$PY" tests/gpu_sanitize.py 2>&1
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$PY" tests/gpu_sanitize.py 2>&1
 } | tee "$LOGS/memcheck.log" | tail -5
