@@ -203,7 +203,7 @@ def main():
                  "stats": stats_candidates(m, n) if "cols" in passes and n >= 8192 else [],
                  "cols": cols_candidates(m, n) if "cols" in passes and n >= 8192 else []}
         plans[(m, n)] += (cands,)
-        for c in [x for v in cands.values() for x in v] + [l for l in (bwd.stats, bwd.reduce) if l]:
+        for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
             if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_cols_kernel"):
                 jobs.append((K.plan_dw_reduce(partials_of(c), n), n))
@@ -242,12 +242,12 @@ def main():
     for m, n in shapes:
         fwd, bwd, cands = plans[(m, n)]
         buf = buffers(m, n)
-        io = x_bytes = m * n * 2
+        io = m * n * 2
         if cands["fwd"]:
             timed = [(timeit([runner(c, buf)]), c) for c in cands["fwd"]]
             record("fwd", (m, n), 2 * io, timed, timed[0][0])
         if cands["bwd"]:
-            def with_reduce(c):
+            def with_reduce(c, n=n, buf=buf):
                 reduce = K.plan_dw_reduce(partials_of(c), n)
                 b2 = {**buf, "n_partials": partials_of(c)}
                 return [runner(c, buf), runner(reduce, b2)]

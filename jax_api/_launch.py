@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.launch import INTERPRETER_LOCK, Launch, bind, ordered_scalars, patch_interpreter_bf16_rounding
+from xkern.launch import INTERPRETER_LOCK, Launch, bind, ordered_scalars, patch_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
-    patch_interpreter_bf16_rounding()
+    patch_interpreter()
 
 _FORCE_GPU = False  # set by gpu_lowering(): take the jax-triton branch on any backend
 

@@ -63,9 +63,14 @@ def _rms_inputs(shape=(3, 8), dtype="float32"):
 
 
 def test_opcheck_rms_norm_ops():
-    x, w, dy = _rms_inputs()
+    x, w, dy = _rms_inputs((4, 8))
     torch.library.opcheck(torch.ops.xkern.rms_norm_fwd.default, (x.requires_grad_(), w.requires_grad_(), EPS))
     torch.library.opcheck(torch.ops.xkern.rms_norm_bwd.default, (dy, x.detach(), w.detach(), EPS))
+    # x and dy as transposed views (q/k norms after .transpose(1, 2)): the fake must give the real layouts
+    xt = x.detach().reshape(2, -1, x.shape[-1]).transpose(0, 1)
+    dyt = dy.reshape(2, -1, dy.shape[-1]).transpose(0, 1)
+    torch.library.opcheck(torch.ops.xkern.rms_norm_fwd.default, (xt, w.detach(), EPS))
+    torch.library.opcheck(torch.ops.xkern.rms_norm_bwd.default, (dyt, xt, w.detach(), EPS))
 
 
 def test_opcheck_permute_ops():

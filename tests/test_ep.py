@@ -10,7 +10,6 @@ no rows, and experts no token picks.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -67,10 +66,15 @@ def _expected_buffer(rank, xs, ids, num_experts, world, alignment):
     return torch.cat(blocks), sizes
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, store: str) -> None:
+    import faulthandler
+
     import torch_api
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    faulthandler.enable()  # a rank that crashes prints its Python stack
+
+    # a file store: no TCP port to pick (and lose to a race) for the rendezvous
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=180))
     try:
         for case_id, (tokens, num_experts, top_k, alignment, empty) in enumerate(CASES[world]):
@@ -109,20 +113,13 @@ def _worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_ep_dispatch_combine_gloo(world):
+def _run_ranks(world: int, store: str) -> None:
     # The ranks run on CPU (gloo) under the interpreter; set it for them only: on a GPU machine this
     # process runs compiled kernels and must keep doing so after the test.
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        ctx = mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=False)
+        ctx = mp.spawn(_worker, args=(world, store), nprocs=world, join=False)
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET")
@@ -138,6 +135,19 @@ def test_ep_dispatch_combine_gloo(world):
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_dispatch_combine_gloo(world, tmp_path):
+    try:
+        _run_ranks(world, str(tmp_path / "store"))
+    except mp.ProcessExitedException as err:
+        # About one run in ten on a loaded 2-core machine, a rank aborts within its first 3 s ("terminate
+        # called without an active exception", before any check ran). Only that, a rank killed by a
+        # signal, is retried, once; a failed check raises ProcessRaisedException and fails the test.
+        if err.signal_name is None:
+            raise
+        _run_ranks(world, str(tmp_path / "store2"))
 
 
 # ---------------------------------------------------------------------------------------------------

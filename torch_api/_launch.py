@@ -7,11 +7,11 @@ import os
 
 import torch
 
-from xkern.launch import INTERPRETER_LOCK, Launch, bind, patch_interpreter_bf16_rounding
+from xkern.launch import INTERPRETER_LOCK, Launch, bind, patch_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
-    patch_interpreter_bf16_rounding()
+    patch_interpreter()
 
 
 def launch(plan: Launch, *arrays, **scalars) -> None:

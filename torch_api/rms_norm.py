@@ -62,7 +62,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 @rms_norm_bwd.register_fake
 def _(dy, x, weight, eps):
-    return torch.empty_like(x), torch.empty_like(weight)
+    # dx is contiguous whatever x's layout (as the real op makes it); empty_like would copy x's strides
+    return x.new_empty(x.shape), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):

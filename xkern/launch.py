@@ -56,18 +56,20 @@ def row_align(n_cols: int, *row_strides: int) -> int:
 INTERPRETER_LOCK = threading.Lock()
 
 
-def patch_interpreter_bf16_rounding() -> None:
-    """Make the interpreter round fp32 -> bf16 casts to nearest even, as the GPU does.
+def patch_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter (CPU runs of the kernels):
 
-    Triton 3.6's interpreter truncates them (`cast_impl` ignores the rounding mode), which moves every
-    bf16 result of the CPU path by up to an ULP away from what the same kernel gives on the GPU."""
+    - fp32 -> bf16 casts round to nearest even, as the GPU does (`cast_impl` ignores the rounding mode and
+      truncates, which moves bf16 results by up to an ULP away from the GPU's).
+    - a scalar used as a loop bound converts with numpy >= 2.4 too (`int()` of a 1-element array, which
+      numpy 2.4 refuses; the GPU image has it)."""
     import ml_dtypes
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_xkern_rtne", False):
+    if getattr(builder, "_xkern_patched", False):
         return
     cast_impl = builder.cast_impl
 
@@ -77,8 +79,15 @@ def patch_interpreter_bf16_rounding() -> None:
             return interpreter.TensorHandle(data, dst_type.scalar)
         return cast_impl(self, src, dst_type)
 
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_index(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
     builder.cast_impl = rounding_cast
-    builder._xkern_rtne = True
+    interpreter._patch_lang_tensor = patch_with_index
+    builder._xkern_patched = True
 
 
 def bind(launch: Launch, arrays, scalars: dict) -> dict:

@@ -35,6 +35,13 @@ import triton.language as tl
 from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
 
 
+@triton.jit
+def _mean(total, n_cols):
+    # IEEE division (div.rn), not Triton's default approximate fp32 divide: jax-triton folds an n_cols of 1
+    # into the binary, and only exact division gives the same bits for a constant and a runtime 1.
+    return tl.math.div_rn(total, n_cols * 1.0)
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
 def _rms_norm_fwd_kernel(
     X, W,
@@ -51,7 +58,7 @@ def _rms_norm_fwd_kernel(
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + EPS)
+    rstd = tl.rsqrt(_mean(tl.sum(x * x, axis=1), n_cols) + EPS)
     normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = w[None, :] * normed
@@ -78,7 +85,7 @@ def _rms_norm_fwd_chunked_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
+        rstd = tl.rsqrt(_mean(tl.sum(sum_sq, axis=0), n_cols) + EPS)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
@@ -123,13 +130,13 @@ def _rms_norm_bwd_kernel(
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + EPS)[:, None]
+        rstd = tl.rsqrt(_mean(tl.sum(x * x, axis=1), n_cols) + EPS)[:, None]
         n = x * rstd
         n_lp = n.to(X.dtype.element_ty).to(tl.float32)
         g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
         # where(): a masked row with EPS == 0 has rstd = inf and n = nan; keep it out of dw.
         dw_acc += tl.sum(tl.where(cur_mask, (dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), 0.0), axis=0)
-        mean_gn = tl.sum(g * n, axis=1)[:, None] / n_cols
+        mean_gn = _mean(tl.sum(g * n, axis=1), n_cols)[:, None]
         dx = rstd * (g - n * mean_gn)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
@@ -161,10 +168,10 @@ def _rms_norm_bwd_stats_kernel(
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         sum_sq += x * x
         sum_gx += (dy * w).to(X.dtype.element_ty).to(tl.float32) * x
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + EPS)
+    rstd = tl.rsqrt(_mean(tl.sum(sum_sq, axis=0), n_cols) + EPS)
     stats = STATS + (batch * n_rows + row) * 2
     tl.store(stats, rstd)
-    tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd / n_cols)
+    tl.store(stats + 1, _mean(tl.sum(sum_gx, axis=0) * rstd, n_cols))
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
