@@ -53,7 +53,10 @@ def test_readme_torch_block_compiles_fullgraph_and_matches_eager():
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")  # raises on a graph break
     got, want = run(compiled), run(block)
     assert all(same_bits(a, b) for a, b in zip(got, want))  # bitwise: same kernels, same order
-    assert all(same_bits(a, b) for a, b in zip(grads, want[2:]))  # the README's compiled step too
+    # The README's step: on a GPU it compiles with Inductor, whose fusions of the other ops (linear layers,
+    # attention, SiLU) round differently from eager: close, not bitwise
+    for got_grad, want_grad in zip(grads, want[2:], strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
 def _rms_inputs(shape=(3, 8), dtype="float32"):
