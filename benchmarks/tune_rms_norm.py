@@ -48,7 +48,8 @@ def copy_ceiling() -> float:
 
 
 def _fixed(n, eps=True):
-    return {"EPS": EPS, "ROW_ALIGN": row_align(n)} if eps else {"ROW_ALIGN": row_align(n)}
+    fixed = {"ROW_ALIGN": row_align(n), "ONE_COL": n == 1}
+    return {"EPS": EPS, **fixed} if eps else fixed
 
 
 def fwd_candidates(m, n):

@@ -17,6 +17,9 @@ instead of 16-byte accesses on the JAX side; other layouts, hence other FP32 sum
 arguments are not specialized (`do_not_specialize`); the plan states what it knows instead: ROW_ALIGN, the
 power of two dividing the width and every row stride, applied as `n // ROW_ALIGN * ROW_ALIGN` so the
 compiler sees it; and EPS is a compile-time constant (one binary per eps value, which a model fixes).
+jax-triton also folds any integer argument equal to 1 into its binary; only n_cols enters the arithmetic
+(a folded `mean * 1` lets the compiler fuse `x * x + EPS` into one FMA), so the plan states ONE_COL and
+every binary folds a width of 1 alike.
 
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
 many rows per tile; wide rows get BLOCK_M = 1 (a row kernel). Rows wider than the largest register
@@ -37,9 +40,8 @@ from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
 
 @triton.jit
 def _inv(n_cols):
-    # 1 / n_cols in IEEE division (div.rn), once per program; means are sums times it. jax-triton folds an
-    # n_cols of 1 into the binary: an exact 1/1 gives the same bits for the constant and a runtime 1 (a
-    # per-row div.rn cost a fifth of the narrow-row backward's speed on the H200).
+    # 1 / n_cols, once per program; means are sums times it (a division per row cost a fifth of the
+    # narrow-row backward's speed on the H200).
     return tl.math.div_rn(1.0, n_cols * 1.0)
 
 
@@ -48,9 +50,11 @@ def _rms_norm_fwd_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN  # alignment from the plan, visible to the compiler
+    # alignment from the plan, visible to the compiler; a width of 1 folded in, as jax-triton folds it
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,9 +75,9 @@ def _rms_norm_fwd_chunked_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
     # Rows too wide for registers: pass 1 sums x**2 in chunks, pass 2 re-reads the row from L2. Persistent
@@ -102,9 +106,10 @@ def _rms_norm_bwd_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -151,9 +156,9 @@ def _rms_norm_bwd_stats_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride,
     STATS,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     # Rows too wide for registers, step 1: rstd and mean(g * n) of each row, in column chunks.
@@ -182,9 +187,9 @@ def _rms_norm_bwd_cols_kernel(
     X, W, DY, STATS,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
-    ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -263,7 +268,7 @@ _BWD_TILES = {64: (64, 2, 4), 128: (32, 2, 4), 256: (64, 8, 1), 512: (8, 8, 2), 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = ()) -> Launch:
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols)."""
-    fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides)}
+    fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     if n_cols > MAX_FWD_BLOCK:
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 16,
                       {**fixed, "BLOCK_N": CHUNK})
@@ -295,7 +300,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
     (default: contiguous)."""
     block_n = next_pow2(n_cols)
-    fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides)}
+    fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     stats = None
     if n_cols > MAX_BWD_BLOCK:
         stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8,
