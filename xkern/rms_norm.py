@@ -307,15 +307,17 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                        {**fixed, "EPS": float(eps), "BLOCK_N": COLS_STATS_CHUNK})
         block_m, block_n, num_warps, programs = _BWD_COLS_TILE
         col_blocks = cdiv(n_cols, block_n)
-        groups = max(1, min(cdiv(n_rows, block_m), programs // col_blocks))
+        groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
     else:
         block_m, num_warps, programs_per_sm = _BWD_TILES[max(block_n, 64)]
         block_m = max(1, min(block_m, next_pow2(n_rows)))
-        groups = max(1, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
+        groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
                      {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n})
+    # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
+    # reduction's binary, and torch's would not.
     return BwdPlan(stats, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
 
 
