@@ -31,8 +31,18 @@ from torch_api._launch import launch as launch_plan
 from xkern import rms_norm as K
 from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
 
-SHAPES = [(262144, 128), (32768, 128), (262144, 64), (65536, 256), (8192, 2048), (32768, 4096), (8192, 8192),
-          (4096, 16384), (2048, 32768), (1024, 65536)]
+SHAPES = [
+    (262144, 128),
+    (32768, 128),
+    (262144, 64),
+    (65536, 256),
+    (8192, 2048),
+    (32768, 4096),
+    (8192, 8192),
+    (4096, 16384),
+    (2048, 32768),
+    (1024, 65536),
+]
 EPS = 1e-6
 DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
 
@@ -56,15 +66,21 @@ def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
     if n >= 32768:
-        out += [Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
-                for c in (4096, 8192) for w in (8, 16, 32) for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
-                if 8 <= c // (32 * w) <= 32]
+        out += [
+            Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
+            for c in (4096, 8192)
+            for w in (8, 16, 32)
+            for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
+            if 8 <= c // (32 * w) <= 32
+        ]
     for bm in (1, 2, 4, 8, 16, 32, 64):
         if bm * bn > 32768 or bm * bn < 512:
             continue
         for w in (1, 2, 4, 8, 16, 32):
             if 8 <= bm * bn // (32 * w) <= 32:
-                out.append(Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
+                out.append(
+                    Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
+                )
     return out
 
 
@@ -79,16 +95,26 @@ def bwd_candidates(m, n):
                 continue
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
-                out.append(Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
-                                  {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn}))
+                out.append(
+                    Launch(
+                        K._rms_norm_bwd_kernel,
+                        (min(tiles, NUM_SMS * ppsm), 1),
+                        w,
+                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn},
+                    )
+                )
                 if tiles <= NUM_SMS * ppsm:
                     break
     return out
 
 
 def stats_candidates(m, n):
-    return [Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
-            for c in (2048, 4096, 8192) for w in (4, 8, 16) if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)]
+    return [
+        Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
+        for c in (2048, 4096, 8192)
+        for w in (4, 8, 16)
+        if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)
+    ]
 
 
 def cols_candidates(m, n):
@@ -100,18 +126,29 @@ def cols_candidates(m, n):
                     continue
                 for programs in (2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
                     groups = max(1, min(cdiv(m, bm), programs // cdiv(n, bn)))
-                    out.append(Launch(K._rms_norm_bwd_cols_kernel, (cdiv(n, bn), groups, 1), w,
-                                      {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn}))
+                    out.append(
+                        Launch(
+                            K._rms_norm_bwd_cols_kernel,
+                            (cdiv(n, bn), groups, 1),
+                            w,
+                            {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn},
+                        )
+                    )
     return out
 
 
 def reduce_candidates(n):
-    return [Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
-            for bn in (16, 32, 64) for bp in (64, 128, 256, 512) for w in (2, 4, 8)
-            if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64]
+    return [
+        Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
+        for bn in (16, 32, 64)
+        for bp in (64, 128, 256, 512)
+        for w in (2, 4, 8)
+        if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64
+    ]
 
 
 # --- running one launch on the shapes' buffers -------------------------------------------------------------
+
 
 def arrays_for(launch, buf):
     """The kernel's arrays, in order, from the shape's buffers (partials sized for the launch)."""
@@ -136,18 +173,31 @@ def partials_of(launch) -> int:
 def runner(launch, buf):
     m, n = buf["x"].shape
     arrays = arrays_for(launch, buf)
-    scalars = dict(n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n, dy_row_stride=n, dx_row_stride=n,
-                   n_partials=buf.get("n_partials", 0))
+    scalars = dict(
+        n_rows=m,
+        n_cols=n,
+        x_row_stride=n,
+        y_row_stride=n,
+        dy_row_stride=n,
+        dx_row_stride=n,
+        n_partials=buf.get("n_partials", 0),
+    )
     return lambda: launch_plan(launch, *arrays, **scalars)
 
 
 def buffers(m, n, max_partials=8 * NUM_SMS * 64):
     torch.manual_seed(0)
     x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
-    return {"x": x, "w": torch.randn(n, device=DEVICE, dtype=torch.bfloat16), "dy": torch.randn_like(x),
-            "y": torch.empty_like(x), "dx": torch.empty_like(x), "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
-            "stats": torch.empty(m, 2, device=DEVICE),
-            "partial": torch.empty(min(max_partials, 4 * 1024 * 1024 * 1024 // (4 * n) // 8) * n, device=DEVICE)}
+    return {
+        "x": x,
+        "w": torch.randn(n, device=DEVICE, dtype=torch.bfloat16),
+        "dy": torch.randn_like(x),
+        "y": torch.empty_like(x),
+        "dx": torch.empty_like(x),
+        "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
+        "stats": torch.empty(m, 2, device=DEVICE),
+        "partial": torch.empty(min(max_partials, 4 * 1024 * 1024 * 1024 // (4 * n) // 8) * n, device=DEVICE),
+    }
 
 
 def _compile_one(job):
@@ -170,7 +220,10 @@ def precompile(jobs):
     """Compile every candidate in up to 14 processes (fills Triton's disk cache; the timing process then loads)."""
     uniq = {}
     for launch, n in jobs:
-        uniq[(launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, row_align(n))] = (launch, n)
+        uniq[(launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, row_align(n))] = (
+            launch,
+            n,
+        )
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(14, os.cpu_count() or 1), mp_context=ctx) as pool:
@@ -182,7 +235,9 @@ def precompile(jobs):
 
 
 def describe(launch):
-    return f"{launch.kernel.fn.__name__[1:].replace('_kernel', '')} {launch.constexprs} w{launch.num_warps} g{launch.grid}"
+    return (
+        f"{launch.kernel.fn.__name__[1:].replace('_kernel', '')} {launch.constexprs} w{launch.num_warps} g{launch.grid}"
+    )
 
 
 def main():
@@ -199,10 +254,12 @@ def main():
     for m, n in shapes:
         plans[(m, n)] = (K.plan_rms_norm_fwd(m, n, EPS), K.plan_rms_norm_bwd(m, n, EPS))
         fwd, bwd = plans[(m, n)]
-        cands = {"fwd": [fwd] + fwd_candidates(m, n) if "fwd" in passes else [],
-                 "bwd": [bwd.bwd] + (bwd_candidates(m, n) if n <= K.MAX_BWD_BLOCK else []) if "bwd" in passes else [],
-                 "stats": stats_candidates(m, n) if "cols" in passes and n >= 8192 else [],
-                 "cols": cols_candidates(m, n) if "cols" in passes and n >= 8192 else []}
+        cands = {
+            "fwd": [fwd] + fwd_candidates(m, n) if "fwd" in passes else [],
+            "bwd": [bwd.bwd] + (bwd_candidates(m, n) if n <= K.MAX_BWD_BLOCK else []) if "bwd" in passes else [],
+            "stats": stats_candidates(m, n) if "cols" in passes and n >= 8192 else [],
+            "cols": cols_candidates(m, n) if "cols" in passes and n >= 8192 else [],
+        }
         plans[(m, n)] += (cands,)
         for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
@@ -221,15 +278,24 @@ def main():
         timed = [t for t in timed if t[0] is not None]
         best_t, best = min(timed, key=lambda t: t[0])
         top = sorted(timed, key=lambda t: t[0])[:3]
-        row = {"pass": name, "shape": list(shape), "best": describe(best), "best_us": best_t * 1e6,
-               "best_frac": nbytes / best_t / 1e9 / ceiling, "n_timed": len(timed),
-               "top3": [(t * 1e6, describe(c)) for t, c in top]}
+        row = {
+            "pass": name,
+            "shape": list(shape),
+            "best": describe(best),
+            "best_us": best_t * 1e6,
+            "best_frac": nbytes / best_t / 1e9 / ceiling,
+            "n_timed": len(timed),
+            "top3": [(t * 1e6, describe(c)) for t, c in top],
+        }
         if plan_t is not None:
             row.update(plan_us=plan_t * 1e6, plan_frac=nbytes / plan_t / 1e9 / ceiling)
         results.append(row)
         plan = f"plan {row['plan_frac']:.3f} ({row['plan_us']:.1f} us)  " if plan_t is not None else ""
-        print(f"{name} {shape[0]}x{shape[1]}: {plan}best {row['best_frac']:.3f} ({best_t * 1e6:.1f} us) "
-              f"[{row['best']}]  of {len(timed)}", flush=True)
+        print(
+            f"{name} {shape[0]}x{shape[1]}: {plan}best {row['best_frac']:.3f} ({best_t * 1e6:.1f} us) "
+            f"[{row['best']}]  of {len(timed)}",
+            flush=True,
+        )
         for t, c in top[1:]:
             print(f"    {t * 1e6:.1f} us [{describe(c)}]", flush=True)
 
@@ -248,16 +314,20 @@ def main():
             timed = [(timeit([runner(c, buf)]), c) for c in cands["fwd"]]
             record("fwd", (m, n), 2 * io, timed, timed[0][0])
         if cands["bwd"]:
+
             def with_reduce(c, n=n, buf=buf):
                 reduce = K.plan_dw_reduce(partials_of(c), n)
                 b2 = {**buf, "n_partials": partials_of(c)}
                 return [runner(c, buf), runner(reduce, b2)]
+
             plan_fns = ([runner(bwd.stats, buf)] if bwd.stats else []) + [runner(bwd.bwd, buf)]
             plan_t = timeit(plan_fns + [runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
             k_t = timeit(plan_fns)
             r_t = timeit([runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
-            print(f"bwd {m}x{n}: plan split: kernels {k_t * 1e6:.1f} us + reduce {r_t * 1e6:.1f} us "
-                  f"(P={bwd.n_partials})", flush=True)
+            print(
+                f"bwd {m}x{n}: plan split: kernels {k_t * 1e6:.1f} us + reduce {r_t * 1e6:.1f} us (P={bwd.n_partials})",
+                flush=True,
+            )
             timed = [(timeit(with_reduce(c)), c) for c in cands["bwd"]]
             record("bwd+reduce", (m, n), 3 * io, timed, plan_t)
         if cands["cols"]:
@@ -267,8 +337,13 @@ def main():
             record("cols", (m, n), 3 * io, ct)
             best_c = min((t for t in ct if t[0]), key=lambda t: t[0])[1]
             red = K.plan_dw_reduce(partials_of(best_c), n)
-            total = timeit([runner(min((t for t in st if t[0]), key=lambda t: t[0])[1], buf), runner(best_c, buf),
-                            runner(red, {**buf, "n_partials": partials_of(best_c)})])
+            total = timeit(
+                [
+                    runner(min((t for t in st if t[0]), key=lambda t: t[0])[1], buf),
+                    runner(best_c, buf),
+                    runner(red, {**buf, "n_partials": partials_of(best_c)}),
+                ]
+            )
             record("stats+cols+reduce", (m, n), 3 * io, [(total, best_c)])
         del buf
         if DEVICE == "cuda":
@@ -276,8 +351,12 @@ def main():
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):
             for parts in (132, 528, 2112):
-                buf = {"partial": torch.randn(parts * n, device=DEVICE), "dw": torch.empty(n, device=DEVICE,
-                       dtype=torch.bfloat16), "x": torch.empty(1, n), "n_partials": parts}
+                buf = {
+                    "partial": torch.randn(parts * n, device=DEVICE),
+                    "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
+                    "x": torch.empty(1, n),
+                    "n_partials": parts,
+                }
                 plan = K.plan_dw_reduce(parts, n)
                 timed = [(timeit([runner(c, buf)]), c) for c in [plan] + reduce_candidates(n)]
                 record(f"reduce P={parts}", (parts, n), parts * n * 4, timed, timed[0][0])
