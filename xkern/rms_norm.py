@@ -176,10 +176,11 @@ def _rms_norm_bwd_stats_kernel(
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         sum_sq += x * x
         sum_gx += (dy * w).to(X.dtype.element_ty).to(tl.float32) * x
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS)
+    inv_n = _inv(n_cols)
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
     stats = STATS + (batch * n_rows + row) * 2
     tl.store(stats, rstd)
-    tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd * _inv(n_cols))
+    tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd * inv_n)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
