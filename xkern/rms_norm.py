@@ -254,28 +254,30 @@ def _dw_reduce_kernel(
 MAX_FWD_BLOCK = 32768  # widest row the forward holds in registers (32 warps x 32 fp32 per thread)
 MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
 CHUNK = 8192           # column chunk of the chunked forward
-FWD_CHUNKED_PROGRAMS = 2 * NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
-COLS_STATS_CHUNK = 4096  # column chunk of the backward's row statistics pass
+FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
+COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
 # Column-split backward tile: (BLOCK_M, BLOCK_N, num_warps, programs)
-_BWD_COLS_TILE = (2, 2048, 8, 4 * NUM_SMS)
+_BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
+# Narrow-row forward tiles by BLOCK_N: (BLOCK_M, num_warps); narrower rows: 1024-element tiles, 2 warps.
+_FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 32, 256
 
 # Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM). From benchmarks/tune_rms_norm.py
-# on an H200 (bf16, 2026-12-02): small tiles with few warps and several programs per SM for narrow
+# on an H200 (bf16, 2026-12-03): small tiles with few warps and several programs per SM for narrow
 # rows; one row and many warps for wide rows.
-_BWD_TILES = {64: (64, 2, 4), 128: (32, 2, 4), 256: (64, 8, 1), 512: (8, 8, 2), 1024: (4, 8, 2),
-              2048: (2, 8, 2), 4096: (4, 16, 1), 8192: (1, 16, 1), 16384: (1, 32, 1)}
+_BWD_TILES = {64: (64, 2, 4), 128: (32, 2, 4), 256: (4, 1, 16), 512: (8, 8, 2), 1024: (4, 8, 2),
+              2048: (2, 8, 2), 4096: (1, 8, 2), 8192: (1, 16, 1), 16384: (1, 32, 1)}
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = ()) -> Launch:
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols)."""
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     if n_cols > MAX_FWD_BLOCK:
-        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 16,
+        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
-    if block_n <= 256:  # narrow rows: 1024-element tiles of many rows
-        block_m, num_warps = 1024 // block_n, (4 if block_n == 128 else 2)
+    if block_n <= 256:  # narrow rows: tiles of many rows
+        block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))
     else:  # a row per program, 16 elements per thread
         block_m, num_warps = 1, max(1, min(32, block_n // 512))
     block_m = max(1, min(block_m, next_pow2(n_rows)))
