@@ -2,7 +2,7 @@
 
     python -m benchmarks.registers      (without TRITON_INTERPRET)
 
-Compiles each plan's kernel (xkern.compile_check's signature) and runs Triton's bundled `ptxas -v` on the
+Compiles each plan's kernel as the launchers do (xkern.compile_check.source: 16-byte aligned pointers) and runs Triton's bundled `ptxas -v` on the
 PTX: a kernel that spills, or whose registers cap the warps per SM, is bound by the register file.
 """
 
@@ -13,19 +13,17 @@ import subprocess
 import tempfile
 
 import triton
-from triton.compiler import ASTSource
 
 from benchmarks.tune_rms_norm import SHAPES
 from xkern import rms_norm as K
-from xkern.compile_check import TARGET, signature
+from xkern.compile_check import TARGET, source
 
 PTRS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "DW_PARTIAL": "*fp32",
         "DW": "*bf16", "STATS": "*fp32"}
 
 
 def ptxas_info(launch) -> str:
-    sig, consts = signature(launch, PTRS)
-    compiled = triton.compile(ASTSource(launch.kernel, sig, consts), target=TARGET,
+    compiled = triton.compile(source(launch, PTRS), target=TARGET,
                               options={"num_warps": launch.num_warps})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

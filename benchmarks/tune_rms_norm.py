@@ -68,7 +68,7 @@ def fwd_candidates(m, n):
     if n >= 32768:
         out += [
             Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
-            for c in (4096, 8192)
+            for c in (4096, 8192, 16384)
             for w in (8, 16, 32)
             for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
             if 8 <= c // (32 * w) <= 32
@@ -95,14 +95,15 @@ def bwd_candidates(m, n):
                 continue
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
-                out.append(
+                out += [
                     Launch(
                         K._rms_norm_bwd_kernel,
                         (min(tiles, NUM_SMS * ppsm), 1),
                         w,
-                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn},
+                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch},
                     )
-                )
+                    for prefetch in (True, False)
+                ]
                 if tiles <= NUM_SMS * ppsm:
                     break
     return out

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # stride the PTX differs in addressing only; where it is the width (7x1) it could change the arithmetic
 # (the plan's ONE_COL makes every binary fold it): there the floating-point instruction sequences must
 # match, the rest of the PTX may not. (5, 40000) gives 3 dw partials.
-SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 20000), (5, 40000), (7, 1)]
+SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 9000), (3, 20000), (5, 40000),
+          (7, 1)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
 
 

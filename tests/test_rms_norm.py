@@ -93,7 +93,8 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 20000, 70000])  # row kernel; chunked backward; chunked forward
+@pytest.mark.parametrize("width", [300, 9000, 20000, 70000])  # row kernels (with and without the backward's
+# prefetch); chunked backward; chunked forward
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
     torch_out = _torch_run(x, w, dy, EPS)
@@ -179,6 +180,15 @@ def test_every_output_element_is_written():
         launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
         ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
         assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
+
+
+@pytest.mark.parametrize("shape", [(33, 128), (5, 64)])
+def test_eps_zero_with_a_partial_tile(shape):
+    # rows past the end of the last tile have rstd = 1/sqrt(0) = inf there; dw must not pick up nan
+    x, w, dy = _inputs(_rng("eps0", shape[1]), shape, "bfloat16")
+    out = _torch_run(x, w, dy, 0.0)
+    assert np.isfinite(to_numpy(out[2]).astype(np.float64)).all()
+    _check_all(x, w, dy, 0.0, *out)
 
 
 def test_deterministic_run_to_run():

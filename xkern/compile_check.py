@@ -19,6 +19,14 @@ OPS = ["xkern.rms_norm", "xkern.permute"]
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+def source(launch, pointer_types: dict) -> ASTSource:
+    """What both front ends compile for `launch`: its signature, constexprs, and every pointer marked
+    16-byte aligned (as both launchers mark fresh buffers; without it loads are 2-byte, not 16-byte)."""
+    sig, consts = signature(launch, pointer_types)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+    return ASTSource(launch.kernel, sig, consts, attrs)
+
+
 def signature(launch, pointer_types: dict) -> tuple[dict, dict]:
     """Triton signature for `launch.kernel`: pointers from `pointer_types`, `eps` fp32, other scalars i32."""
     sig, consts = {}, {}
@@ -47,7 +55,7 @@ def main() -> int:
                 continue
             seen.add(key)
             try:
-                compiled = triton.compile(ASTSource(launch.kernel, sig, consts), target=TARGET,
+                compiled = triton.compile(source(launch, pointer_types), target=TARGET,
                                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
                 assert "ptx" in compiled.asm and "cubin" in compiled.asm
             except Exception as e:  # report every failing variant, not just the first
