@@ -78,11 +78,9 @@ def fwd_candidates(m, n):
             continue
         for w in (1, 2, 4, 8, 16, 32):
             if 8 <= bm * bn // (32 * w) <= 32:
-                out += [
-                    Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w,
-                           {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "RELOAD": reload})
-                    for reload in ((False, True) if bm * bn >= 4096 else (False,))
-                ]
+                out.append(
+                    Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
+                )
     return out
 
 

@@ -51,7 +51,7 @@ def _rms_norm_fwd_kernel(
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # alignment from the plan, visible to the compiler; a width of 1 folded in, as jax-triton folds it
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
@@ -64,10 +64,6 @@ def _rms_norm_fwd_kernel(
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) * _inv(n_cols) + EPS)
-    if RELOAD:
-        # Read x again (from L2; `volatile` keeps the compiler from reusing the first load) rather than
-        # hold the fp32 row: at 32768 wide and 16 warps, 64 registers instead of 112, two programs per SM.
-        x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0, volatile=True).to(tl.float32)
     normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = w[None, :] * normed
@@ -281,7 +277,6 @@ def _dw_reduce_kernel(
 
 MAX_FWD_BLOCK = 32768  # widest row the forward holds in registers (32 warps x 32 fp32 per thread)
 MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
-RELOAD_ABOVE = 16384   # forward tiles wider than this read x twice instead of holding it in registers
 CHUNK = 16384          # column chunk of the chunked forward (two in flight per program)
 FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
 COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
@@ -309,13 +304,11 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     block_n = next_pow2(n_cols)
     if block_n <= 256:  # narrow rows: tiles of many rows
         block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))
-    elif block_n <= RELOAD_ABOVE:  # a row per program, 16 elements per thread
+    else:  # a row per program, 16 elements per thread
         block_m, num_warps = 1, max(1, min(32, block_n // 512))
-    else:  # x read twice: two programs of 16 warps (64 registers) per SM; at 32 warps, 34 registers allow one
-        block_m, num_warps = 1, 16
     block_m = max(1, min(block_m, next_pow2(n_rows)))
     return Launch(_rms_norm_fwd_kernel, (cdiv(n_rows, block_m),), num_warps,
-                  {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n, "RELOAD": block_n > RELOAD_ABOVE})
+                  {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
 
 
 @dataclasses.dataclass(frozen=True)
