@@ -2,8 +2,9 @@
 
     python -m benchmarks.registers      (without TRITON_INTERPRET)
 
-Compiles each plan's kernel as the launchers do (xkern.compile_check.source: 16-byte aligned pointers) and runs Triton's bundled `ptxas -v` on the
-PTX: a kernel that spills, or whose registers cap the warps per SM, is bound by the register file.
+Compiles each plan's kernel as the launchers do (`xkern.compile_check.source`: 16-byte aligned pointers)
+and runs Triton's bundled `ptxas -v` on the PTX: a kernel that spills, or whose registers cap the warps
+per SM, is bound by the register file.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def ptxas_info(launch) -> str:
         f.flush()
         err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                              capture_output=True, text=True).stderr
-    return "; ".join(line.split(":", 1)[-1].strip() for line in err.splitlines() if "registers" in line or "spill" in line)
+    return "; ".join(line.split(":", 1)[-1].strip() for line in err.splitlines()
+                     if "registers" in line or "spill" in line)
 
 
 def main():
