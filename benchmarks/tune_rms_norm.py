@@ -73,8 +73,15 @@ def fwd_candidates(m, n):
             for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
             if 8 <= c // (32 * w) <= 32
         ]
+    if bn > 256:
+        out += [
+            Launch(K._rms_norm_fwd_row_kernel, (m,), w, {**_fixed(n), "BLOCK_N": bn, "RELOAD": reload})
+            for w in (1, 2, 4, 8, 16, 32)
+            for reload in (False, True)
+            if 8 <= bn // (32 * w) <= 64
+        ]
     for bm in (1, 2, 4, 8, 16, 32, 64):
-        if bm * bn > 32768 or bm * bn < 512:
+        if bm * bn > 32768 or bm * bn < 512 or bn > 256:
             continue
         for w in (1, 2, 4, 8, 16, 32):
             if 8 <= bm * bn // (32 * w) <= 32:
@@ -155,7 +162,7 @@ def arrays_for(launch, buf):
     """The kernel's arrays, in order, from the shape's buffers (partials sized for the launch)."""
     name = launch.kernel.fn.__name__
     m, n = buf["x"].shape
-    if name == "_rms_norm_fwd_kernel" or name == "_rms_norm_fwd_chunked_kernel":
+    if name.startswith("_rms_norm_fwd"):
         return [buf["x"], buf["w"], buf["y"]]
     if name == "_rms_norm_bwd_stats_kernel":
         return [buf["x"], buf["w"], buf["dy"], buf["stats"]]

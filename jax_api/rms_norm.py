@@ -29,7 +29,7 @@ def _fwd(x, weight, eps):
     if x.size == 0:
         return jnp.zeros(out.shape, out.dtype)
     x2 = x.reshape(-1, n_cols)
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps)
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (), max(x.dtype.itemsize, weight.dtype.itemsize))
     (y,) = call(plan, [x2, weight], [jax.ShapeDtypeStruct(x2.shape, out.dtype)], n_rows=x2.shape[0],
                 n_cols=n_cols, x_row_stride=n_cols, y_row_stride=n_cols)
     return y.reshape(x.shape)

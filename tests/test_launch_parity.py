@@ -8,6 +8,7 @@ path before the kernels declared `do_not_specialize` and their alignment).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ def _child() -> None:
             jax_ptx = _ptx_from_export(exported.mlir_module())
             t = {name: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for name, shape, dt in
                  (("x", (rows, n), x_dt), ("w", (n,), w_dt), ("y", (rows, n), y_dt))}
-            fwd = plan_rms_norm_fwd(rows, n, eps, (n, n))
+            fwd = plan_rms_norm_fwd(rows, n, eps, (n, n), 4 if "float32" in (x_dt, w_dt) else 2)
             bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n))
             partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
             stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
@@ -115,7 +116,8 @@ def _child() -> None:
             if bwd.stats:
                 ours[bwd.stats.kernel.fn.__name__] = _torch_ptx(bwd.stats, [t["x"], t["w"], t["y"], stats], scalars)
             if n % 16 == 0:  # 16-byte rows: the forward must use 16-byte accesses (the bandwidth depends on it)
-                assert "ld.global.v4" in ours[fwd.kernel.fn.__name__], f"{rows}x{n} {x_dt}: forward not vectorized"
+                assert re.search(r"ld\.global\S*\.v4", ours[fwd.kernel.fn.__name__]), \
+                    f"{rows}x{n} {x_dt}: forward not vectorized"
             for name, ptx in ours.items():
                 assert name in jax_ptx, f"{rows}x{n} {x_dt}/{w_dt}: JAX launched no {name} ({sorted(jax_ptx)})"
                 for other in jax_ptx[name]:

@@ -93,8 +93,8 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 9000, 20000, 70000])  # row kernels (with and without the backward's
-# prefetch); chunked backward; chunked forward
+@pytest.mark.parametrize("width", [300, 5000, 9000, 20000, 40000, 70000])  # row kernels (with and without the
+# forward's reload and the backward's prefetch); chunked backward; chunked forward
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
     torch_out = _torch_run(x, w, dy, EPS)
@@ -314,3 +314,16 @@ def test_bad_inputs_raise_clear_errors():
             jax_api.rms_norm(*args)
     with pytest.raises(ValueError, match="eps must be >= 0"):
         jax_api.rms_norm(jx, jw, -1e-6)
+
+
+def test_four_byte_elements_take_the_chunked_forward_above_32768():
+    """A 4-byte x or w would spill in the row kernel at 65536: the plan chunks it, and both paths agree."""
+    from xkern.rms_norm import _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
+
+    assert plan_rms_norm_fwd(2, 40000, EPS).kernel is _rms_norm_fwd_row_kernel
+    assert plan_rms_norm_fwd(2, 40000, EPS, (), 4).kernel is _rms_norm_fwd_chunked_kernel
+    x, w, dy = _inputs(_rng("wide fp32 w"), (2, 40000), "bfloat16", w_dtype="float32")
+    torch_out = _torch_run(x, w, dy, EPS)
+    _check_all(x, w, dy, EPS, *torch_out)
+    for a, b in zip(_jax_run(x, w, dy, EPS), torch_out):
+        assert same_bits(a, b)

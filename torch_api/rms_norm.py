@@ -26,7 +26,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x2 = rows_view("x", x)
     if x2.numel() == 0:
         return y
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (x2.stride(0), n_cols))
+    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (x2.stride(0), n_cols),
+                             max(x.element_size(), weight.element_size()))
     launch(plan, x2, weight, y, n_rows=x2.shape[0], n_cols=n_cols, x_row_stride=x2.stride(0), y_row_stride=n_cols)
     return y
 

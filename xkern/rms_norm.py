@@ -22,8 +22,9 @@ jax-triton also folds any integer argument equal to 1 into its binary; only n_co
 every binary folds a width of 1 alike.
 
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
-many rows per tile; wide rows get BLOCK_M = 1 (a row kernel). Rows wider than the largest register
-block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the backward computes the
+many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`). Rows wider than
+the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
+backward computes the
 row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
 (`_rms_norm_bwd_cols_kernel`). Every width works.
 """
@@ -71,6 +72,35 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
+def _rms_norm_fwd_row_kernel(
+    X, W,
+    n_rows, n_cols, x_row_stride, y_row_stride,
+    Y,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
+):
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
+    # One row per program. RELOAD: read x a second time for the scaling, from L2 (the first read asks L2 to
+    # keep it, the second to drop it; the different policies also keep the compiler from merging the two
+    # loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
+    # at 32768 wide, 32 registers and two programs per SM instead of 52 and one.
+    x_ptrs = X + tl.program_id(0).to(tl.int64) * x_row_stride + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    if RELOAD:
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) * _inv(n_cols) + EPS)
+    if RELOAD:
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    y = w * (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + tl.program_id(0).to(tl.int64) * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
 def _rms_norm_fwd_chunked_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
@@ -83,7 +113,7 @@ def _rms_norm_fwd_chunked_kernel(
     # Rows too wide for registers: pass 1 sums x**2 in chunks, pass 2 re-reads the row from L2. Persistent
     # (grid-stride over rows) so that the rows in flight, hence pass 2's reads, fit in L2. Both passes issue
     # the next chunk's loads before this chunk's math (register double buffering: 0.64 -> 0.71 of the copy
-    # ceiling at 1024x65536 on the H200).
+    # ceiling at 1024x65536 on the H200, a width the row kernel now takes at 0.85).
     inv_n = _inv(n_cols)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
@@ -275,7 +305,8 @@ def _dw_reduce_kernel(
 # Launch plans. Fixed offline from benchmarks/ (no runtime autotuning: it would break determinism and
 # torch/JAX parity). Inputs are shapes and the element size only.
 
-MAX_FWD_BLOCK = 32768  # widest row the forward holds in registers (32 warps x 32 fp32 per thread)
+MAX_FWD_BLOCK = 65536  # widest row the forward's row kernel takes (32 warps x 64 elements per thread); half
+                       # that for 4-byte x, w or y (at 65536 those spill)
 MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
 CHUNK = 16384          # column chunk of the chunked forward (two in flight per program)
 FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
@@ -284,6 +315,10 @@ COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
 _BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
 # Narrow-row forward tiles by BLOCK_N: (BLOCK_M, num_warps); narrower rows: 1024-element tiles, 2 warps.
 _FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
+# Row-kernel widths that read x twice (RELOAD). Measured on an H200, bf16 and fp16 alike (2026-12-03):
+# 0.93 -> 0.97 of the copy ceiling at 4096, 0.88 -> 0.92 at 8192, 0.84 -> 0.90 at 32768, and at 65536 (one
+# pass instead of the chunked kernel's two) 0.72 -> 0.85. At 16384 and up to 2048 holding the row is as fast.
+_FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
 # Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH). From
@@ -295,17 +330,19 @@ _BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)
               16384: (1, 16, 1, False)}
 
 
-def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = ()) -> Launch:
-    """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols)."""
+def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
+                      itemsize: int = 2) -> Launch:
+    """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols);
+    `itemsize` the largest element size of x and w in bytes."""
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
-    if n_cols > MAX_FWD_BLOCK:
+    if n_cols > (MAX_FWD_BLOCK if itemsize <= 2 else MAX_FWD_BLOCK // 2):
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
-    if block_n <= 256:  # narrow rows: tiles of many rows
-        block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))
-    else:  # a row per program, 16 elements per thread
-        block_m, num_warps = 1, max(1, min(32, block_n // 512))
+    if block_n > 256:  # a row per program, 16 elements per thread up to 32768
+        return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
+                      {**fixed, "BLOCK_N": block_n, "RELOAD": block_n in _FWD_RELOAD})
+    block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))  # narrow rows: tiles of many rows
     block_m = max(1, min(block_m, next_pow2(n_rows)))
     return Launch(_rms_norm_fwd_kernel, (cdiv(n_rows, block_m),), num_warps,
                   {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
@@ -370,13 +407,15 @@ def compile_variants():
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32"),
              ("float16", "float32")]
-    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK + 1)]
+    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
+                                                              MAX_FWD_BLOCK + 1)]
     for x_dtype, w_dtype, n_cols, n_rows in cases:
         y_dtype = x_dtype if x_dtype == w_dtype else "float32"
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
                 "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
         ptrs["STATS"] = "*fp32"
         bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6)
-        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6), bwd.stats, bwd.bwd, bwd.reduce):
+        itemsize = 4 if "float32" in (x_dtype, w_dtype) else 2
+        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6, (), itemsize), bwd.stats, bwd.bwd, bwd.reduce):
             if launch is not None:
                 yield launch, ptrs
