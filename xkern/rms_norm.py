@@ -85,9 +85,10 @@ def _rms_norm_fwd_row_kernel(
     # keep it, the second to drop it; the different policies also keep the compiler from merging the two
     # loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
     # at 32768 wide, 32 registers and two programs per SM instead of 52 and one.
-    x_ptrs = X + tl.program_id(0).to(tl.int64) * x_row_stride + tl.arange(0, BLOCK_N)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
+    x_ptrs = X + row * x_row_stride + cols
     if RELOAD:
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     else:
@@ -97,7 +98,7 @@ def _rms_norm_fwd_row_kernel(
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     y = w * (x * rstd).to(X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + tl.program_id(0).to(tl.int64) * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
