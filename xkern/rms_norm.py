@@ -24,8 +24,7 @@ every binary folds a width of 1 alike.
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
 many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`). Rows wider than
 the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
-backward computes the
-row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
+backward computes the row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
 (`_rms_norm_bwd_cols_kernel`). Every width works.
 """
 
@@ -340,7 +339,7 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
-    if block_n > 256:  # a row per program, 16 elements per thread up to 32768
+    if block_n > 256:  # a row per program, 16 elements per thread up to 16384, then 32 warps
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
                       {**fixed, "BLOCK_N": block_n, "RELOAD": block_n in _FWD_RELOAD})
     block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))  # narrow rows: tiles of many rows
