@@ -107,9 +107,10 @@ def bwd_candidates(m, n):
                         K._rms_norm_bwd_kernel,
                         (min(tiles, NUM_SMS * ppsm), 1),
                         w,
-                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch},
+                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": mode == "prefetch",
+                         "RELOAD": mode == "reload"},
                     )
-                    for prefetch in (True, False)
+                    for mode in ("prefetch", "hold", "reload")
                 ]
                 if tiles <= NUM_SMS * ppsm:
                     break

@@ -150,7 +150,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -158,7 +158,8 @@ def _rms_norm_bwd_kernel(
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
-    # latency; the widest rows have no registers for it.
+    # latency; the widest rows have no registers for it and take RELOAD instead: both row sums from the
+    # first read (evict_last keeps the tile in L2), dx and dw from a second read (evict_first).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -187,18 +188,28 @@ def _rms_norm_bwd_kernel(
         else:
             cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
-            x = tl.load(X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=cur_mask,
-                        other=0.0).to(tl.float32)
-            dy = tl.load(DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=cur_mask,
-                         other=0.0).to(tl.float32)
+            x_ptrs = X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :]
+            dy_ptrs = DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :]
+            if RELOAD:
+                x = tl.load(x_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=cur_mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0).to(tl.float32)
         # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
         # per row, not per element) so that it adds 0 to dw.
         rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
+        if RELOAD:  # mean(g * n) as rstd * mean(g * x), both sums before rstd is known; then read again
+            g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+            mean_gn = (tl.sum(g * x, axis=1) * inv_n)[:, None] * rstd
+            x = tl.load(x_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         n = x * rstd
         n_lp = n.to(X.dtype.element_ty).to(tl.float32)
         g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
         dw_acc += tl.sum((dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), axis=0)
-        mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
+        if not RELOAD:
+            mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx = rstd * (g - n * mean_gn)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
@@ -321,13 +332,14 @@ _FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
-# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH). From
+# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH or RELOAD). From
 # benchmarks/tune_rms_norm.py on an H200 (bf16, 2026-12-03): small tiles with few warps and several
-# programs per SM for narrow rows; one row and many warps for wide rows. 16384: 16 warps without the
-# prefetch (32 fp32 per thread for each of x, dy, w, dw) beat 32 warps with it, 0.56 -> 0.66.
-_BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True), 512: (8, 8, 2, True),
-              1024: (4, 8, 2, True), 2048: (2, 8, 2, True), 4096: (1, 8, 2, True), 8192: (1, 16, 1, True),
-              16384: (1, 16, 1, False)}
+# programs per SM for narrow rows; one row and many warps for wide rows. 16384: 16 warps reading the row
+# twice 0.73 of the copy ceiling (fp16 0.74), holding it 0.66, 32 warps with the prefetch 0.56; at 8192 and
+# 4096 the prefetch is ahead (8192: 0.84 against 0.71 reading twice).
+_BWD_TILES = {64: (64, 2, 4, "prefetch"), 128: (32, 2, 4, "prefetch"), 256: (4, 1, 16, "prefetch"),
+              512: (8, 8, 2, "prefetch"), 1024: (4, 8, 2, "prefetch"), 2048: (2, 8, 2, "prefetch"),
+              4096: (1, 8, 2, "prefetch"), 8192: (1, 16, 1, "prefetch"), 16384: (1, 16, 1, "reload")}
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
@@ -377,11 +389,12 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
     else:
-        block_m, num_warps, programs_per_sm, prefetch = _BWD_TILES[max(block_n, 64)]
+        block_m, num_warps, programs_per_sm, mode = _BWD_TILES[max(block_n, 64)]
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
-                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch})
+                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n,
+                      "PREFETCH": mode == "prefetch", "RELOAD": mode == "reload"})
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
     return BwdPlan(stats, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
