@@ -107,13 +107,15 @@ def bwd_candidates(m, n):
                         K._rms_norm_bwd_kernel,
                         (min(tiles, NUM_SMS * ppsm), 1),
                         w,
-                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": mode == "prefetch",
-                         "RELOAD": mode == "reload"},
+                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch},
                     )
-                    for mode in ("prefetch", "hold", "reload")
+                    for prefetch in (True, False)
                 ]
                 if tiles <= NUM_SMS * ppsm:
                     break
+    if bn >= 4096:  # the row kernel (rows read twice)
+        out += [Launch(K._rms_norm_bwd_row_kernel, (min(m, NUM_SMS * ppsm), 1), w, {**_fixed(n), "BLOCK_N": bn})
+                for w in (8, 16, 32) for ppsm in (1, 2)]
     return out
 
 
@@ -272,7 +274,7 @@ def main():
         plans[(m, n)] += (cands,)
         for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
-            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_cols_kernel"):
+            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_row_kernel", "_rms_norm_bwd_cols_kernel"):
                 jobs.append((K.plan_dw_reduce(partials_of(c), n), n))
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):

@@ -93,8 +93,9 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 5000, 9000, 20000, 40000, 70000])  # row kernels (with and without the
-# forward's reload and the backward's prefetch); chunked backward; chunked forward
+@pytest.mark.parametrize("width", [300, 5000, 9000, 20000, 40000, 70000])  # forward row kernel with and without
+# its reload, backward tiles with the prefetch (300, 5000), backward row kernel (9000); column-split backward
+# (20000 up); chunked forward (70000)
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
     torch_out = _torch_run(x, w, dy, EPS)
@@ -275,6 +276,21 @@ def test_jax_vmap_grad_and_batched_weight():
     g2 = jax.grad(lambda w: jnp.sum(jax.vmap(jax.vmap(jax_api.rms_norm, (0, None)), (0, None))(x[:, :, None], w)))(w)
     g1 = jax.grad(lambda w: jnp.sum(jax_api.rms_norm(x, w)))(w)
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [9000, 20000])  # the backward's row kernel; statistics + column split
+def test_jax_vmap_per_example_grads_of_wide_rows(width):
+    rng = _rng("vmap wide", width)
+    x = jnp.asarray(rand(rng, (2, 3, width), "bfloat16"))
+    w = jnp.asarray(rand(rng, (width,), "bfloat16", 0.5, 1.0))
+
+    def loss(x, w):
+        return jnp.sum(jax_api.rms_norm(x, w).astype(jnp.float32) ** 2)
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(x, w)
+    for i in range(2):
+        gx, gw = jax.grad(loss, argnums=(0, 1))(x[i], w)
+        assert same_bits(per_example[0][i], gx) and same_bits(per_example[1][i], gw)
 
 
 # --- bad input --------------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -158,8 +158,7 @@ def _rms_norm_bwd_kernel(
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
-    # latency; the widest rows have no registers for it and take RELOAD instead: both row sums from the
-    # first read (evict_last keeps the tile in L2), dx and dw from a second read (evict_first).
+    # latency; the widest rows have no registers for it.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -188,32 +187,65 @@ def _rms_norm_bwd_kernel(
         else:
             cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
-            x_ptrs = X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :]
-            dy_ptrs = DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :]
-            if RELOAD:
-                x = tl.load(x_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            else:
-                x = tl.load(x_ptrs, mask=cur_mask, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0).to(tl.float32)
+            x = tl.load(X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=cur_mask,
+                        other=0.0).to(tl.float32)
+            dy = tl.load(DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=cur_mask,
+                         other=0.0).to(tl.float32)
         # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
         # per row, not per element) so that it adds 0 to dw.
         rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
-        if RELOAD:  # mean(g * n) as rstd * mean(g * x), both sums before rstd is known; then read again
-            g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
-            mean_gn = (tl.sum(g * x, axis=1) * inv_n)[:, None] * rstd
-            x = tl.load(x_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dy_ptrs, mask=cur_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         n = x * rstd
         n_lp = n.to(X.dtype.element_ty).to(tl.float32)
         g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
         dw_acc += tl.sum((dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), axis=0)
-        if not RELOAD:
-            mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
+        mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx = rstd * (g - n * mean_gn)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
     tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_row_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
+    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
+    # Persistent over rows, one row at a time, read twice (as the forward's RELOAD): both row sums from the
+    # first read (mean(g * n) = rstd * mean(g * x), g = (dy * w) rounded needing no rstd; evict_last keeps
+    # the row in L2), dx and dw from the second (evict_first). A 1-D block: fewer registers than a 1-row tile.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    # The batch enters the row index: offsetting the base pointers instead compiles to a schedule with
+    # fewer loads in flight (101 registers instead of 127; 0.58 instead of 0.73 of the copy at 16384).
+    batch = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    inv_n = _inv(n_cols)
+    for row in range(pid, n_rows, num_programs):
+        row = tl.cast(row, tl.int64) + batch * n_rows
+        x_ptrs = X + row * x_row_stride + cols
+        dy_ptrs = DY + row * dy_row_stride + cols
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) * inv_n + EPS)
+        mean_gn = tl.sum(g * x, axis=0) * rstd * inv_n
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+        n = x * rstd
+        dw_acc += (dy * n.to(X.dtype.element_ty).to(tl.float32)).to(DY.dtype.element_ty).to(tl.float32)
+        dx = rstd * (g - n * mean_gn)
+        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
@@ -318,7 +350,7 @@ def _dw_reduce_kernel(
 
 MAX_FWD_BLOCK = 65536  # widest row the forward's row kernel takes (32 warps x 64 elements per thread); half
                        # that for 4-byte x, w or y (at 65536 those spill)
-MAX_BWD_BLOCK = 16384  # the backward holds x, dy, the next tile's x and dy, and the dw partial
+MAX_BWD_BLOCK = 16384  # widest row the backward takes in one block (wider: statistics, then a column split)
 CHUNK = 16384          # column chunk of the chunked forward (two in flight per program)
 FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
 COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
@@ -332,14 +364,16 @@ _FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
-# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH or RELOAD). From
+# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH). From
 # benchmarks/tune_rms_norm.py on an H200 (bf16, 2026-12-03): small tiles with few warps and several
-# programs per SM for narrow rows; one row and many warps for wide rows. 16384: 16 warps reading the row
-# twice 0.73 of the copy ceiling (fp16 0.74), holding it 0.66, 32 warps with the prefetch 0.56; at 8192 and
-# 4096 the prefetch is ahead (8192: 0.84 against 0.71 reading twice).
-_BWD_TILES = {64: (64, 2, 4, "prefetch"), 128: (32, 2, 4, "prefetch"), 256: (4, 1, 16, "prefetch"),
-              512: (8, 8, 2, "prefetch"), 1024: (4, 8, 2, "prefetch"), 2048: (2, 8, 2, "prefetch"),
-              4096: (1, 8, 2, "prefetch"), 8192: (1, 16, 1, "prefetch"), 16384: (1, 16, 1, "reload")}
+# programs per SM for narrow rows; one row and many warps for wide rows. 16384 takes the row kernel
+# (BWD_ROW_TILE) instead.
+_BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True), 512: (8, 8, 2, True),
+              1024: (4, 8, 2, True), 2048: (2, 8, 2, True), 4096: (1, 8, 2, True), 8192: (1, 16, 1, True)}
+# Row backward (rows read twice), (BLOCK_N, num_warps, programs per SM). H200, 2026-12-03: 4096 x 16384
+# 0.73 of the copy ceiling (fp16 0.74) against 0.66 for a 1-row tile holding x and dy (0.58 reading them
+# twice); 8192 wide 0.71 against the prefetching tile's 0.84; 32768 wide spills (0.43 against 0.55).
+_BWD_ROW_TILE = (16384, 16, 1)
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
@@ -388,13 +422,16 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
+    elif block_n == _BWD_ROW_TILE[0]:
+        groups = max(2, min(n_rows, NUM_SMS * _BWD_ROW_TILE[2]))
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), _BWD_ROW_TILE[1],
+                     {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
     else:
-        block_m, num_warps, programs_per_sm, mode = _BWD_TILES[max(block_n, 64)]
+        block_m, num_warps, programs_per_sm, prefetch = _BWD_TILES[max(block_n, 64)]
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
-                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n,
-                      "PREFETCH": mode == "prefetch", "RELOAD": mode == "reload"})
+                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch})
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
     return BwdPlan(stats, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
