@@ -274,7 +274,8 @@ def main():
         plans[(m, n)] += (cands,)
         for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
-            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_row_kernel", "_rms_norm_bwd_cols_kernel"):
+            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_row_kernel",
+                                        "_rms_norm_bwd_cols_kernel"):
                 jobs.append((K.plan_dw_reduce(partials_of(c), n), n))
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):

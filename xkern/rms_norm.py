@@ -1,7 +1,7 @@
 """RMSNorm with Hugging Face Llama rounding: kernels and launch plans.
 
 Forward:  y = w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype), output dtype = promote(x, w).
-Backward, one joint pass that reads x and dy once (rstd is recomputed from x, never stored):
+Backward, one joint pass that reads x and dy once from memory (rstd is recomputed from x, never stored):
     n  = x * rstd                      (fp32)
     g  = (dy * w).to(x.dtype)          (eager rounds here: the backward of `.to(x.dtype)`)
     dx = rstd * (g - n * mean(g * n))  rounded once to x.dtype
@@ -22,7 +22,8 @@ jax-triton also folds any integer argument equal to 1 into its binary; only n_co
 every binary folds a width of 1 alike.
 
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
-many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`). Rows wider than
+many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`; the backward's
+`_rms_norm_bwd_row_kernel` from 8193 to 16384, which forms mean(g * n) as rstd * mean(g * x)). Rows wider than
 the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
 backward computes the row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
 (`_rms_norm_bwd_cols_kernel`). Every width works.
