@@ -368,14 +368,14 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
 # Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH). From
 # benchmarks/tune_rms_norm.py on an H200 (bf16, 2026-12-03): small tiles with few warps and several
-# programs per SM for narrow rows; one row and many warps for wide rows. 16384 takes the row kernel
-# (BWD_ROW_TILE) instead.
+# programs per SM for narrow rows; one row and many warps for wide rows. 16384 takes the row kernel.
 _BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True), 512: (8, 8, 2, True),
               1024: (4, 8, 2, True), 2048: (2, 8, 2, True), 4096: (1, 8, 2, True), 8192: (1, 16, 1, True)}
-# Row backward (rows read twice), (BLOCK_N, num_warps, programs per SM). H200, 2026-12-03: 4096 x 16384
-# 0.73 of the copy ceiling (fp16 0.74) against 0.66 for a 1-row tile holding x and dy (0.58 reading them
-# twice); 8192 wide 0.71 against the prefetching tile's 0.84; 32768 wide spills (0.43 against 0.55).
-_BWD_ROW_TILE = (16384, 16, 1)
+# Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. H200, 2026-12-03:
+# 4096 x 16384 0.73 of the copy ceiling (fp16 0.75) against 0.66 for a 1-row tile holding x and dy (0.58
+# reading them twice); 8192 wide 0.71 against the prefetching tile's 0.84; 32768 wide spills (0.43 against
+# 0.55).
+BWD_ROW_BLOCK = 16384
 
 
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
@@ -424,10 +424,9 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
-    elif block_n == _BWD_ROW_TILE[0]:
-        groups = max(2, min(n_rows, NUM_SMS * _BWD_ROW_TILE[2]))
-        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), _BWD_ROW_TILE[1],
-                     {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
+    elif block_n == BWD_ROW_BLOCK:
+        groups = max(2, min(n_rows, NUM_SMS))
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16, {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
     else:
         block_m, num_warps, programs_per_sm, prefetch = _BWD_TILES[max(block_n, 64)]
         block_m = max(1, min(block_m, next_pow2(n_rows)))
