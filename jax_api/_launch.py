@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.launch import INTERPRETER_LOCK, Launch, bind, ordered_scalars, patch_interpreter
+from xkern.launch import INTERPRETER_LOCK, Launch, Recipe, bind, ordered_scalars, patch_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -34,6 +34,24 @@ def gpu_lowering():
         yield
     finally:
         _FORCE_GPU = saved
+
+
+def check_array(name: str, a) -> None:
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
+
+
+def execute(recipe: Recipe, **inputs) -> list[jax.Array]:
+    """Run `recipe` on `inputs` (by name): each step's kernel through `call`, filled buffers as constants."""
+    env = dict(inputs)
+    for step in recipe.steps:
+        if step.launch is None:
+            outs = [jnp.full(b.shape, 0 if b.fill is None else b.fill, b.dtype) for b in step.outputs]
+        else:
+            outs = call(step.launch, [env[n] for n in step.inputs],
+                        [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in step.outputs], **step.scalars)
+        env.update(zip((b.name for b in step.outputs), outs))
+    return [env[n] for n in recipe.results]
 
 
 def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:

@@ -14,17 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_api._launch import call, map_batched, vary_like
+from jax_api._launch import check_array, execute, map_batched, vary_like
+from xkern.launch import check_int
 from xkern.permute import (
     check_counts,
+    check_generate,
+    check_index,
     check_permutation,
-    plan_gather_rows,
-    plan_generate_indices,
-    plan_inverse,
+    check_rows,
+    check_unpermute,
+    generate_recipe,
+    inverse_recipe,
+    permute_recipe,
 )
-
-_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
-_INDEX = (jnp.int32, jnp.int64)
 
 
 def _gather(x, idx, n_out: int):
@@ -51,12 +53,7 @@ def _gather_op(n_out: int):
 
 
 def _gather_kernel(x, idx, n_out: int):
-    n_cols = x.shape[1]
-    if n_out == 0 or n_cols == 0 or x.shape[0] == 0:  # nothing to read: zero tokens give padding only
-        return jnp.zeros((n_out, n_cols), x.dtype)
-    plan = plan_gather_rows(n_out, n_cols, x.dtype.itemsize)
-    (out,) = call(plan, [x, idx], [jax.ShapeDtypeStruct((n_out, n_cols), x.dtype)], n_rows=n_out,
-                  n_cols=n_cols, n_src_rows=x.shape[0], src_row_stride=n_cols)
+    (out,) = execute(permute_recipe(n_out, x.shape[1], x.shape[0], x.dtype.name, x.shape[1]), x=x, idx=idx)
     return out
 
 
@@ -75,13 +72,7 @@ def _inverse_op(num_rows: int):
 
 
 def _inverse_kernel(idx, num_rows: int):
-    if num_rows == 0 or idx.shape[0] == 0:
-        return jnp.full((num_rows,), -1, idx.dtype)
-    scatter, settle = plan_inverse(idx.shape[0], num_rows)
-    out = jax.ShapeDtypeStruct((num_rows,), idx.dtype)
-    scalars = {"n_slots": idx.shape[0], "n_rows": num_rows}
-    (raw,) = call(scatter, [idx], [out], **scalars)
-    (inv,) = call(settle, [idx, raw], [out], **scalars)
+    (inv,) = execute(inverse_recipe(idx.shape[0], num_rows, idx.dtype.name), idx=idx)
     return inv
 
 
@@ -122,25 +113,14 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 # Public functions: argument checks, then the kernels.
 
 
-def _check_array(name: str, a) -> None:
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-        raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
-
-
 def _check_rows(name: str, x) -> None:
-    _check_array(name, x)
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [rows, hidden], got shape {list(x.shape)}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    check_array(name, x)
+    check_rows(name, x.dtype.name, tuple(x.shape))
 
 
 def _check_index(name: str, idx, like=None) -> None:
-    _check_array(name, idx)
-    if idx.dtype not in _INDEX:
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-    if idx.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {list(idx.shape)}")
+    check_array(name, idx)
+    check_index(name, idx.dtype.name, tuple(idx.shape))
     if like is not None:
         devices = [_devices(a) for a in (idx, like)]
         if None not in devices and devices[0] != devices[1]:
@@ -152,14 +132,6 @@ def _devices(a):
         return a.devices()
     except Exception:  # tracers and numpy arrays have no committed device
         return None
-
-
-def _check_count(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return int(n)
 
 
 def _host(name: str, a) -> np.ndarray:
@@ -183,18 +155,8 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    experts_per_rank = _check_count("experts_per_rank", experts_per_rank)
-    num_ranks = _check_count("num_ranks", num_ranks)
-    if experts_per_rank < 1 or num_ranks < 1:
-        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
-    max_len = _check_count("max_len", max_len)
-    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1 (1 means no padding but for empty experts), got {alignment}")
-    if counts.shape[0] != experts_per_rank * num_ranks:
-        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
-                         f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
+    check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
+    experts_per_rank, num_ranks, max_len = int(experts_per_rank), int(num_ranks), int(max_len)
     if validate:
         check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
     outs = _generate_op(experts_per_rank, num_ranks, max_len, int(alignment))(counts)
@@ -213,18 +175,7 @@ def _generate_op(experts_per_rank: int, num_ranks: int, max_len: int, alignment:
 
 
 def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
-    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
-    per_expert = jax.ShapeDtypeStruct((experts_per_rank,), jnp.int32)
-    table = jax.ShapeDtypeStruct((counts.shape[0],), jnp.int32)
-    m_sizes, m_offsets, row_start, rank_begin = call(
-        sizes, [counts], [per_expert, per_expert, table, table],
-        n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment)
-    if max_len == 0:
-        return jnp.zeros((0,), jnp.int32), m_sizes, m_offsets
-    (out,) = call(fill, [counts, m_sizes, m_offsets, row_start, rank_begin],
-                  [jax.ShapeDtypeStruct((max_len,), jnp.int32)],
-                  max_len=max_len, n_experts=experts_per_rank, n_ranks=num_ranks)
-    return out, m_sizes, m_offsets
+    return tuple(execute(generate_recipe(experts_per_rank, num_ranks, max_len, alignment), counts=counts))
 
 
 def permute_rows(x, permuted_indices, validate: bool = False):
@@ -246,7 +197,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     _check_index("permuted_indices", permuted_indices)
-    num_rows = _check_count("num_rows", num_rows)
+    num_rows = check_int("num_rows", num_rows)
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
@@ -258,10 +209,8 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):
     (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding)."""
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
-    num_rows = _check_count("num_rows", num_rows)
-    if permuted_indices.shape[0] != y.shape[0]:
-        raise ValueError(f"y must have one row per slot of permuted_indices ({permuted_indices.shape[0]}), "
-                         f"got {y.shape[0]}")
+    num_rows = check_int("num_rows", num_rows)
+    check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return _unpermute(num_rows, y, permuted_indices)

@@ -13,25 +13,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_api._launch import call, map_batched, vary_like
-from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
-
-_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
-
-
-def _out_dtype(x, weight):
-    return x.dtype if weight.dtype == x.dtype else jnp.dtype(jnp.float32)
+from jax_api._launch import check_array, execute, map_batched, vary_like
+from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
 def _fwd(x, weight, eps):
     n_cols = x.shape[-1]
-    out = jax.ShapeDtypeStruct(x.shape, _out_dtype(x, weight))
-    if x.size == 0:
-        return jnp.zeros(out.shape, out.dtype)
-    x2 = x.reshape(-1, n_cols)
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (), max(x.dtype.itemsize, weight.dtype.itemsize))
-    (y,) = call(plan, [x2, weight], [jax.ShapeDtypeStruct(x2.shape, out.dtype)], n_rows=x2.shape[0],
-                n_cols=n_cols, x_row_stride=n_cols, y_row_stride=n_cols)
+    n_rows = x.size // n_cols if n_cols else math.prod(x.shape[:-1])
+    recipe = rms_norm_fwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name)
+    (y,) = execute(recipe, x=x.reshape(n_rows, n_cols), w=weight)
     return y.reshape(x.shape)
 
 
@@ -40,19 +30,10 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
-    if x.size == 0:
-        return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, weight.dtype)
-    n_rows = x.size // n_cols // n_batch
-    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, n_batch=n_batch)
-    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols, dx_row_stride=n_cols)
-    inputs = [x.reshape(-1, n_cols), weight, dy.reshape(-1, n_cols)]
-    if plan.stats is not None:
-        inputs += call(plan.stats, inputs, [jax.ShapeDtypeStruct((n_batch * n_rows, 2), jnp.float32)], **scalars)
-    dx, partial = call(plan.bwd, inputs,
-                       [jax.ShapeDtypeStruct(inputs[0].shape, x.dtype),
-                        jax.ShapeDtypeStruct((n_batch * plan.n_partials, n_cols), jnp.float32)], **scalars)
-    (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
-                 n_partials=plan.n_partials, n_cols=n_cols)
+    n_rows = math.prod(x.shape[n_batch_dims:-1])
+    recipe = rms_norm_bwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name, n_batch=n_batch)
+    flat = (n_batch * n_rows, n_cols)
+    dx, dw = execute(recipe, x=x.reshape(flat), w=weight, dy=dy.reshape(flat))
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
 
 
@@ -110,22 +91,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Hugging Face Llama RMSNorm over the last axis: `w * (x.f32 * rsqrt(mean(x.f32**2) + eps)).astype(
     x.dtype)`, fp32 statistics; differentiable in `x` and `weight` (jax.custom_vjp).
 
-    x: [..., N], float16 / bfloat16 / float32, any N >= 1. weight: [N], x's dtype or float32; the output
-    dtype is x's when they match, else float32 (PyTorch's promotion, as the torch front end).
+    x: [..., N], float16 / bfloat16 / float32, any N >= 0. weight: [N], float16 / bfloat16 / float32; the
+    output dtype is their promotion (float32 when they differ), as in the torch front end.
     """
-    for name, a in (("x", x), ("weight", weight)):
-        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-            raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if weight.dtype not in (x.dtype, jnp.float32):
-        raise TypeError(f"weight must have x's dtype ({x.dtype}) or float32, got {weight.dtype}")
-    if x.ndim == 0:
-        raise ValueError("x must have at least one dimension [..., N], got a scalar")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    check_array("x", x)
+    check_array("weight", weight)
+    check_rms_norm(x.dtype.name, tuple(x.shape), weight.dtype.name, tuple(weight.shape), eps)
     # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
     # summed over the mesh axes by the transpose of that cast.
     weight = vary_like(weight, x)

@@ -139,7 +139,7 @@ def test_strided_views_read_in_place():
     # q slice of a fused qkv tensor: last dim contiguous, one row stride (3 * 128): read in place.
     qkv = to_torch(rand(rng, (33, 3 * 128), "bfloat16"))
     q = qkv[:, :128]
-    assert rows_view("x", q).data_ptr() == q.data_ptr()
+    assert rows_view(q).data_ptr() == q.data_ptr()
     # Head-major view of [B, S, H, D] as [B, H, S, D]: leading dims do not collapse, so a copy is made.
     bshd = to_torch(rand(rng, (2, 5, 3, 64), "bfloat16"))
     bhsd = bshd.transpose(1, 2)

@@ -14,7 +14,9 @@ import importlib
 
 import torch
 
-from torch_api.rms_norm import _FLOATS, rms_norm
+from torch_api.rms_norm import rms_norm
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 # (transformers.models.<module>, class): the RMSNorms computing `w * (x.f32 * rsqrt(mean(x.f32**2) + eps))
 # .to(x.dtype)` with `weight` and `variance_epsilon` attributes.
@@ -46,7 +48,7 @@ class _Forward:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         m = self.module
-        if hidden_states.dtype not in _FLOATS or m.weight.dtype not in (hidden_states.dtype, torch.float32):
+        if hidden_states.dtype not in _FLOATS or m.weight.dtype not in _FLOATS:
             return type(m).forward(m, hidden_states)  # dtype pair the kernel does not take: eager
         return rms_norm(hidden_states, m.weight, m.variance_epsilon)
 

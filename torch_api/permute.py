@@ -11,102 +11,75 @@ from __future__ import annotations
 
 import torch
 
-from torch_api._launch import check_device, launch
+from torch_api._launch import (
+    Executor,
+    check_device,
+    check_tensor,
+    dtype_name,
+    eager,
+    needs_autograd,
+    run_recipe,
+)
+from xkern.launch import check_int
 from xkern.permute import (
     check_counts,
+    check_generate,
+    check_index,
     check_permutation,
-    plan_gather_rows,
-    plan_generate_indices,
-    plan_inverse,
+    check_rows,
+    check_unpermute,
+    generate_recipe,
+    inverse_recipe,
+    permute_recipe,
+    unpermute_recipe,
 )
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX = (torch.int32, torch.int64)
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # Rows need a contiguous last dim; any row stride is fine.
+    return x.contiguous() if x.stride(1) != 1 and x.shape[1] > 1 else x
 
 
-def _gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = x[idx[i]] (zero row at -1) into the contiguous `out` [len(idx), H]."""
-    if out.numel() == 0:
-        return out
-    if x.shape[0] == 0:  # zero tokens: every valid slot is padding
-        return out.zero_()
-    if x.stride(1) != 1 and x.shape[1] > 1:  # rows need a contiguous last dim; any row stride is fine
-        x = x.contiguous()
-    idx = idx.contiguous()
-    plan = plan_gather_rows(out.shape[0], out.shape[1], x.element_size(), x.stride(0))
-    launch(plan, x, idx, out, n_rows=out.shape[0], n_cols=out.shape[1], n_src_rows=x.shape[0],
-           src_row_stride=x.stride(0))
+def _permute_recipe(x, idx):
+    return permute_recipe(idx.shape[0], x.shape[1], x.shape[0], dtype_name(x.dtype), x.stride(0))
+
+
+def _unpermute_recipe(y, idx, num_rows):
+    return unpermute_recipe(idx.shape[0], y.shape[1], num_rows, dtype_name(y.dtype), y.stride(0),
+                            dtype_name(idx.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registered ops: torch.compile, export, DTensor, fake tensors.
+
+
+@torch.library.triton_op("xkern::generate_permute_indices", mutates_args=())
+def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, max_len: int,
+                 alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    recipe = generate_recipe(experts_per_rank, num_ranks, max_len, alignment)
+    idx, m_sizes, m_offsets = run_recipe(recipe, counts.device, counts=counts.contiguous())
+    return idx, m_sizes, m_offsets
+
+
+@torch.library.triton_op("xkern::permute_rows", mutates_args=())
+def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    x = _rows(x)
+    (out,) = run_recipe(_permute_recipe(x, idx), x.device, x=x, idx=idx.contiguous())
     return out
 
 
-def _inverse(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    inv = torch.empty(num_rows, dtype=idx.dtype, device=idx.device)
-    if num_rows == 0:
-        return inv
-    if idx.shape[0] == 0:
-        return inv.fill_(-1)
-    scatter, settle = plan_inverse(idx.shape[0], num_rows)
-    idx = idx.contiguous()
-    raw = torch.empty_like(inv)
-    launch(scatter, idx, raw, n_slots=idx.shape[0], n_rows=num_rows)
-    launch(settle, idx, raw, inv, n_slots=idx.shape[0], n_rows=num_rows)
+@torch.library.triton_op("xkern::inverse_permutation", mutates_args=())
+def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
+    (inv,) = run_recipe(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), idx.device,
+                        idx=idx.contiguous())
     return inv
 
 
-@torch.library.custom_op("xkern::generate_permute_indices", mutates_args=())
-def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, max_len: int,
-                 alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dev = counts.device
-    counts = counts.contiguous()
-    out = torch.empty(max_len, dtype=torch.int32, device=dev)
-    m_sizes = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
-    m_offsets = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)
-    row_start = torch.empty(counts.shape[0], dtype=torch.int32, device=dev)
-    rank_begin = torch.empty(counts.shape[0], dtype=torch.int32, device=dev)
-    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
-    launch(sizes, counts, m_sizes, m_offsets, row_start, rank_begin, n_experts=experts_per_rank,
-           n_ranks=num_ranks, alignment=alignment)
-    if max_len:
-        launch(fill, counts, m_sizes, m_offsets, row_start, rank_begin, out, max_len=max_len,
-               n_experts=experts_per_rank, n_ranks=num_ranks)
-    return out, m_sizes, m_offsets
-
-
-@_generate_op.register_fake
-def _(counts, experts_per_rank, num_ranks, max_len, alignment):
-    return (counts.new_empty(max_len, dtype=torch.int32), counts.new_empty(experts_per_rank, dtype=torch.int32),
-            counts.new_empty(experts_per_rank, dtype=torch.int32))
-
-
-@torch.library.custom_op("xkern::permute_rows", mutates_args=())
-def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return _gather(x, idx, torch.empty((idx.shape[0], x.shape[1]), dtype=x.dtype, device=x.device))
-
-
-@_permute_op.register_fake
-def _(x, idx):
-    return x.new_empty((idx.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op("xkern::inverse_permutation", mutates_args=())
-def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return _inverse(idx, num_rows)
-
-
-@_inverse_op.register_fake
-def _(idx, num_rows):
-    return idx.new_empty(num_rows)
-
-
-@torch.library.custom_op("xkern::unpermute_rows", mutates_args=())
+@torch.library.triton_op("xkern::unpermute_rows", mutates_args=())
 def _unpermute_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    out = torch.empty((num_rows, y.shape[1]), dtype=y.dtype, device=y.device)
-    return _gather(y, _inverse(idx, num_rows), out)
-
-
-@_unpermute_op.register_fake
-def _(y, idx, num_rows):
-    return y.new_empty((num_rows, y.shape[1]))
+    y = _rows(y)
+    (out,) = run_recipe(_unpermute_recipe(y, idx, num_rows), y.device, y=y, idx=idx.contiguous())
+    return out
 
 
 def _save_idx(ctx, inputs, output):
@@ -129,35 +102,100 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public functions: argument checks, then the ops.
+# Eager: executors cached per call signature; autograd Functions whose backward (and jvp) is a gather.
+
+_EXECUTORS: dict = {}
+
+
+def _executor(key, make_recipe, names):
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = Executor(make_recipe(), names)
+    return ex
+
+
+def _permute_eager(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    x = _rows(x)
+    key = ("permute", x.shape, x.stride(0), x.dtype, idx.shape, idx.dtype, x.device)
+    return _executor(key, lambda: _permute_recipe(x, idx), ("x", "idx"))(x, idx.contiguous())[0]
+
+
+def _unpermute_eager(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
+    y = _rows(y)
+    key = ("unpermute", y.shape, y.stride(0), y.dtype, idx.shape, idx.dtype, num_rows, y.device)
+    return _executor(key, lambda: _unpermute_recipe(y, idx, num_rows), ("y", "idx"))(y, idx.contiguous())[0]
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, idx):
+        return _permute_eager(x, idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
+        ctx.num_rows = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        (idx,) = ctx.saved_tensors
+        return _unpermute(dout, idx, ctx.num_rows), None
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        (idx,) = ctx.saved_tensors
+        return _permute(tx, idx)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(y, idx, num_rows):
+        return _unpermute_eager(y, idx, num_rows)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
+        ctx.num_rows = inputs[2]
+
+    @staticmethod
+    def backward(ctx, dout):
+        (idx,) = ctx.saved_tensors
+        return _permute(dout, idx), None, None
+
+    @staticmethod
+    def jvp(ctx, ty, _, __):
+        (idx,) = ctx.saved_tensors
+        return _unpermute(ty, idx, ctx.num_rows)
+
+
+def _permute(x, idx):
+    if eager(x, idx):
+        return _Permute.apply(x, idx) if needs_autograd(x) else _permute_eager(x, idx)
+    return torch.ops.xkern.permute_rows(x, idx)
+
+
+def _unpermute(y, idx, num_rows):
+    if eager(y, idx):
+        return _Unpermute.apply(y, idx, num_rows) if needs_autograd(y) else _unpermute_eager(y, idx, num_rows)
+    return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public functions: the core's argument checks, then the ops.
 
 
 def _check_rows(name: str, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, hidden], got shape {list(x.shape)}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    check_tensor(name, x)
+    check_rows(name, dtype_name(x.dtype), tuple(x.shape))
     check_device(name, x)
 
 
 def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
-    if idx.dtype not in _INDEX:
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-    if idx.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {list(idx.shape)}")
+    check_tensor(name, idx)
+    check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
     check_device(name, idx, like=like)
-
-
-def _check_count(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
 
 
 def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_rank: int, num_ranks: int,
@@ -174,18 +212,13 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    if _check_count("experts_per_rank", experts_per_rank) < 1 or _check_count("num_ranks", num_ranks) < 1:
-        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
-    _check_count("max_len", max_len)
-    if isinstance(alignment, bool) or not isinstance(alignment, int):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1 (1 means no padding but for empty experts), got {alignment}")
-    if counts.shape[0] != experts_per_rank * num_ranks:
-        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
-                         f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
+    check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
     if validate:
         check_counts(counts.detach().cpu().numpy(), experts_per_rank, alignment, max_len)
+    if eager(counts):
+        key = ("generate", counts.dtype, experts_per_rank, num_ranks, max_len, alignment, counts.device)
+        ex = _executor(key, lambda: generate_recipe(experts_per_rank, num_ranks, max_len, alignment), ("counts",))
+        return tuple(ex(counts.contiguous()))
     return torch.ops.xkern.generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment)
 
 
@@ -201,16 +234,21 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
     _check_index("permuted_indices", permuted_indices, like=x)
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), x.shape[0])
-    return torch.ops.xkern.permute_rows(x, permuted_indices)
+    return _permute(x, permuted_indices)
 
 
 def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate: bool = False) -> torch.Tensor:
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     _check_index("permuted_indices", permuted_indices)
-    _check_count("num_rows", num_rows)
+    check_int("num_rows", num_rows)
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
+    if eager(permuted_indices):
+        idx = permuted_indices
+        key = ("inverse", idx.shape, idx.dtype, num_rows, idx.device)
+        ex = _executor(key, lambda: inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
+        return ex(idx.contiguous())[0]
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
 
 
@@ -221,10 +259,8 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`."""
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
-    _check_count("num_rows", num_rows)
-    if permuted_indices.shape[0] != y.shape[0]:
-        raise ValueError(f"y must have one row per slot of permuted_indices ({permuted_indices.shape[0]}), "
-                         f"got {y.shape[0]}")
+    check_int("num_rows", num_rows)
+    check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
-    return torch.ops.xkern.unpermute_rows(y, permuted_indices, num_rows)
+    return _unpermute(y, permuted_indices, num_rows)

@@ -1,70 +1,63 @@
 """RMSNorm for PyTorch: `rms_norm`, the `RMSNorm` module, and the `xkern::rms_norm_*` ops behind them.
 
-The ops are registered with `torch.library` (fake implementations included) so `torch.compile(
-fullgraph=True)` traces them; autograd is attached with `register_autograd`. Math and rounding: see
-`xkern/rms_norm.py`.
+Eager calls on plain CUDA tensors launch the kernels directly (an `Executor` cached per call signature,
+autograd through `_RMSNormFunction`, forward-mode AD through its `jvp`). Everything else — torch.compile,
+export, DTensor and other tensor subclasses, dispatch modes — goes through the registered
+`torch.library.triton_op`s, which Inductor lowers to direct kernel launches in its generated code. Both
+paths execute the same recipe from `xkern/rms_norm.py`. Math and rounding: see there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_api._launch import check_device, launch, rows_view
-from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
+from torch_api._launch import (
+    Executor,
+    check_device,
+    check_tensor,
+    dtype_name,
+    eager,
+    needs_autograd,
+    rows_view,
+    run_recipe,
+)
+from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+def _check(x, weight, eps) -> None:
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_rms_norm(dtype_name(x.dtype), tuple(x.shape), dtype_name(weight.dtype), tuple(weight.shape), eps)
+    check_device("x", x)
+    check_device("weight", weight, like=x)
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    return x.dtype if weight.dtype == x.dtype else torch.float32
+def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
+    # Kernels read the weight as contiguous: one copy for strided or expanded weights.
+    return weight if weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
 
 
-@torch.library.custom_op("xkern::rms_norm_fwd", mutates_args=())
+# ---------------------------------------------------------------------------------------------------
+# Registered ops: torch.compile, export, DTensor, fake tensors.
+
+
+@torch.library.triton_op("xkern::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    n_cols = x.shape[-1]
-    y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
-    x2 = rows_view("x", x)
-    if x2.numel() == 0:
-        return y
-    plan = plan_rms_norm_fwd(x2.shape[0], n_cols, eps, (x2.stride(0), n_cols),
-                             max(x.element_size(), weight.element_size()))
-    launch(plan, x2, weight, y, n_rows=x2.shape[0], n_cols=n_cols, x_row_stride=x2.stride(0), y_row_stride=n_cols)
-    return y
+    x2 = rows_view(x)
+    recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], eps, dtype_name(x.dtype), dtype_name(weight.dtype),
+                                 x2.stride(0))
+    (y,) = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight))
+    return y.view(x.shape)
 
 
-@rms_norm_fwd.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
-
-
-@torch.library.custom_op("xkern::rms_norm_bwd", mutates_args=())
+@torch.library.triton_op("xkern::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    n_cols = x.shape[-1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, dy2 = rows_view("x", x), rows_view("dy", dy)
-    n_rows = x2.shape[0]
-    if x2.numel() == 0:
-        return dx, torch.zeros_like(weight)
-    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
-    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x2.stride(0), dy_row_stride=dy2.stride(0),
-                   dx_row_stride=n_cols)
-    inputs = [x2, weight, dy2]
-    if plan.stats is not None:
-        stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-        launch(plan.stats, *inputs, stats, **scalars)
-        inputs.append(stats)
-    partial = torch.empty((plan.n_partials, n_cols), dtype=torch.float32, device=x.device)
-    launch(plan.bwd, *inputs, dx, partial, **scalars)
-    dw = torch.empty_like(weight)
-    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=n_cols)
-    return dx, dw
-
-
-@rms_norm_bwd.register_fake
-def _(dy, x, weight, eps):
-    # dx is contiguous whatever x's layout (as the real op makes it); empty_like would copy x's strides
-    return x.new_empty(x.shape), torch.empty_like(weight)
+    x2, dy2 = rows_view(x), rows_view(dy)
+    recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], eps, dtype_name(x.dtype), dtype_name(weight.dtype),
+                                 x2.stride(0), dy2.stride(0))
+    dx, dw = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight), dy=dy2)
+    return dx.view(x.shape), dw.view(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -82,27 +75,154 @@ def _backward(ctx, dy):
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Eager: executors cached per call signature (validated once, on the first call of each).
+
+
+class _Forward:
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        _check(x, weight, eps)
+        x2 = rows_view(x)
+        self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0  # not viewable as rows: one copy
+        self.shape = x.shape
+        self.run = Executor(rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
+                                                dtype_name(weight.dtype), x2.stride(0)), ("x", "w"))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        (y,) = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight))
+        return y.view(self.shape)
+
+
+class _Backward:
+    def __init__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        x2, dy2 = rows_view(x), rows_view(dy)
+        self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0
+        self.copy_dy = dy2.data_ptr() != dy.data_ptr() and dy.numel() > 0
+        self.shape, self.w_shape = x.shape, weight.shape
+        recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
+                                     dtype_name(weight.dtype), x2.stride(0), dy2.stride(0))
+        self.run = Executor(recipe, ("x", "w", "dy"))
+
+    def __call__(self, dy, x, weight):
+        dx, dw = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
+                          dy.contiguous() if self.copy_dy else dy)
+        return dx.view(self.shape), dw.view(self.w_shape)
+
+
+_FORWARDS: dict = {}
+_BACKWARDS: dict = {}
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps)
+    fwd = _FORWARDS.get(key)
+    if fwd is None:
+        fwd = _FORWARDS[key] = _Forward(x, weight, eps)
+    return fwd(x, weight)
+
+
+def _backward_direct(dy, x, weight, eps):
+    key = (x.shape, x.stride(), x.dtype, dy.stride(), dy.dtype, weight.stride(), weight.dtype, x.device, eps)
+    bwd = _BACKWARDS.get(key)
+    if bwd is None:
+        bwd = _BACKWARDS[key] = _Backward(dy, x, weight, eps)
+    return bwd(dy, x, weight)
+
+
+def _jvp_math(x, weight, eps, tx, tw):
+    """Forward-mode tangent of `w * (x.f32 * rstd).to(x.dtype)` (closed form, fp32, rounded as eager rounds
+    the primal: the normalised tangent to x's dtype, the result to the output dtype)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * rstd
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    ty = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if tx is not None:
+        txf = tx.float()
+        tn = rstd * (txf - n * (n * txf).mean(-1, keepdim=True))
+        ty = ty + weight.float() * tn.to(x.dtype).float()
+    if tw is not None:
+        ty = ty + tw.float() * n.to(x.dtype).float()
+    return ty.to(out_dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Eager autograd over the direct launches: backward is the joint kernel, jvp the closed form, vmap
+    more rows (or one call per example for a batched weight)."""
+
+    @staticmethod
+    def forward(x, weight, eps):
+        return _forward(x, weight, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, eps = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        if needs_autograd(dy, x, weight):  # create_graph or torch.func: a node that refuses to differentiate
+            dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps)
+        else:
+            dx, dw = _backward_direct(dy, x, weight, ctx.eps)
+        return dx, dw, None
+
+    @staticmethod
+    def jvp(ctx, tx, tw, _):
+        x, weight = ctx.saved_tensors
+        return _jvp_math(x, weight, ctx.eps, tx, tw)
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, eps):
+        x_dim, w_dim = in_dims[0], in_dims[1]
+        if w_dim is None:
+            x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+            return _RMSNormFunction.apply(x, weight, eps), 0
+        weight = weight.movedim(w_dim, 0)
+        xs = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+        return torch.stack([_RMSNormFunction.apply(a, b, eps) for a, b in zip(xs, weight)]), 0
+
+
+class _RMSNormBackward(torch.autograd.Function):
+    """The joint backward as a graph node (create_graph, torch.func): it has no derivative of its own."""
+
+    @staticmethod
+    def forward(dy, x, weight, eps):
+        return _backward_direct(dy, x, weight, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_ORDER)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_SECOND_ORDER)
+
+
+_NO_SECOND_ORDER = ("xkern rms_norm has first derivatives only (backward and jvp): differentiating its "
+                    "backward (double backward, jvp of grad, Hessian-vector products) is not supported")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Hugging Face Llama RMSNorm over the last dim: `w * (x.float() * rsqrt(mean(x.float()**2) + eps))
-    .to(x.dtype)`, fp32 statistics, differentiable in `x` and `weight`.
+    .to(x.dtype)`, fp32 statistics, differentiable in `x` and `weight` (backward, forward-mode AD, vmap).
 
-    x: [..., N], float16 / bfloat16 / float32, any N >= 1, CUDA (or CPU under TRITON_INTERPRET=1).
-    weight: [N], x's dtype or float32; the output dtype follows eager promotion of the two.
+    x: [..., N], float16 / bfloat16 / float32, any N >= 0 and any layout, CUDA (or CPU under
+    TRITON_INTERPRET=1). weight: [N], float16 / bfloat16 / float32, any stride; the output dtype is
+    eager's promotion of the two (float32 when they differ).
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"x and weight must be torch.Tensors, got {type(x).__name__} and {type(weight).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if weight.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"weight must have x's dtype ({x.dtype}) or float32, got {weight.dtype}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., N], got a scalar")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must have shape [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    check_device("x", x)
-    check_device("weight", weight, like=x)
+    if eager(x, weight):
+        if needs_autograd(x, weight):
+            return _RMSNormFunction.apply(x, weight, eps)
+        return _forward(x, weight, eps)
+    _check(x, weight, eps)
     return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps))
 
 
@@ -122,4 +242,4 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, xkern"

@@ -10,6 +10,7 @@ compile-time constant there, compiling other code than the torch launch).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import threading
 from typing import Any
 
@@ -29,6 +30,55 @@ class Launch:
     num_warps: int
     constexprs: dict[str, Any]
     num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """An array a recipe step allocates: `fill` (a number) or uninitialised (None, a kernel writes it)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy-style name: "bfloat16", "float32", "int32", ...
+    fill: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of an op: allocate `outputs`, then (unless `launch` is None) launch on the named `inputs`
+    (the op's arguments or earlier steps' outputs) followed by the outputs, with the runtime `scalars`."""
+
+    launch: Launch | None
+    inputs: tuple[str, ...]
+    outputs: tuple[Buffer, ...]
+    scalars: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a front end executes for one call of an op: the steps in order, and the buffers it returns.
+    Computed (and cached) by the op's module from shapes, dtypes and scalars alone."""
+
+    steps: tuple[Step, ...]
+    results: tuple[str, ...]
+
+
+FLOATS = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}
+
+
+def promote(a: str, b: str) -> str:
+    """Type promotion of two float dtypes, as torch.promote_types and jnp.promote_types (float16 with
+    bfloat16 gives float32)."""
+    return a if a == b else "float32"
+
+
+def check_int(name: str, n, minimum: int = 0) -> int:
+    """`n` as a Python int >= `minimum`, or a TypeError/ValueError naming `name`."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {n}")
+    return int(n)
 
 
 def next_pow2(n: int) -> int:

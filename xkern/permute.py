@@ -23,11 +23,13 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import triton
 import triton.language as tl
 
-from xkern.launch import Launch, cdiv, next_pow2, row_align
+from xkern.launch import FLOATS, ITEMSIZE, Buffer, Launch, Recipe, Step, cdiv, check_int, next_pow2, row_align
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
@@ -222,6 +224,102 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                                     "n_experts": "i32", "n_ranks": "i32", "BLOCK_S": "constexpr",
                                     "STEPS_E": "constexpr", "STEPS_R": "constexpr"}))
     return variants
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ops' contract, shared by both front ends: argument rules, then the launch recipes.
+
+INDEX_DTYPES = ("int32", "int64")
+
+
+def check_rows(name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be 2-D [rows, hidden], got shape {list(shape)}")
+    if dtype not in FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype}")
+
+
+def check_index(name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    if dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {dtype}")
+    if len(shape) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(shape)}")
+
+
+def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...]) -> None:
+    if idx_shape[0] != y_shape[0]:
+        raise ValueError(f"y must have one row per slot of permuted_indices ({idx_shape[0]}), got {y_shape[0]}")
+
+
+def check_generate(counts_shape: tuple[int, ...], experts_per_rank, num_ranks, max_len, alignment) -> None:
+    """generate_permute_indices' scalar arguments (counts' dtype and rank: `check_index`)."""
+    check_int("experts_per_rank", experts_per_rank, 1)
+    check_int("num_ranks", num_ranks, 1)
+    check_int("max_len", max_len)
+    check_int("alignment", alignment, 1)
+    if counts_shape[0] != experts_per_rank * num_ranks:
+        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
+                         f"{experts_per_rank * num_ranks} entries, got {counts_shape[0]}")
+
+
+def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
+                  src_row_stride: int) -> tuple[Step, ...]:
+    if n_out * n_cols == 0 or n_src_rows == 0:  # nothing to read: every row is a zero row
+        return (Step(None, (), (Buffer(out, (n_out, n_cols), dtype, fill=0),)),)
+    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride)
+    return (Step(plan, (src, idx), (Buffer(out, (n_out, n_cols), dtype),),
+                 dict(n_rows=n_out, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride)),)
+
+
+def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype: str) -> tuple[Step, ...]:
+    if num_rows == 0 or n_slots == 0:  # no slot names any row
+        return (Step(None, (), (Buffer(inv, (num_rows,), index_dtype, fill=-1),)),)
+    scatter, settle = plan_inverse(n_slots, num_rows)
+    scalars = dict(n_slots=n_slots, n_rows=num_rows)
+    return (Step(scatter, (idx,), (Buffer("raw", (num_rows,), index_dtype),), scalars),
+            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),), scalars))
+
+
+@functools.lru_cache(maxsize=4096)
+def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int) -> Recipe:
+    """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots];
+    result out [n_slots, n_cols] contiguous."""
+    return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
+
+
+@functools.lru_cache(maxsize=4096)
+def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
+    """Input idx [n_slots]; result inv [num_rows] of idx's dtype."""
+    return Recipe(_inverse_steps("idx", "inv", n_slots, num_rows, index_dtype), ("inv",))
+
+
+@functools.lru_cache(maxsize=4096)
+def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
+                     index_dtype: str) -> Recipe:
+    """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
+    n_cols]: the inverse permutation, then the gather through it."""
+    steps = _inverse_steps("idx", "inv", n_slots, num_rows, index_dtype)
+    steps += _gather_steps("y", "inv", "out", num_rows, n_cols, n_slots, dtype, src_row_stride)
+    return Recipe(steps, ("out",))
+
+
+@functools.lru_cache(maxsize=1024)
+def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int) -> Recipe:
+    """Input counts [num_ranks * experts_per_rank]; results permuted_indices [max_len], m_sizes and
+    m_offsets [experts_per_rank], all int32."""
+    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
+    per_expert = (experts_per_rank,)
+    table = (experts_per_rank * num_ranks,)
+    tables = ("counts", "m_sizes", "m_offsets", "row_start", "rank_begin")
+    steps = [Step(sizes, ("counts",), (Buffer("m_sizes", per_expert, "int32"), Buffer("m_offsets", per_expert, "int32"),
+                                       Buffer("row_start", table, "int32"), Buffer("rank_begin", table, "int32")),
+                  dict(n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment))]
+    if max_len:
+        steps.append(Step(fill, tables, (Buffer("idx", (max_len,), "int32"),),
+                          dict(max_len=max_len, n_experts=experts_per_rank, n_ranks=num_ranks)))
+    else:
+        steps.append(Step(None, (), (Buffer("idx", (0,), "int32"),)))
+    return Recipe(tuple(steps), ("idx", "m_sizes", "m_offsets"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,11 +33,26 @@ backward computes the row statistics first (`_rms_norm_bwd_stats_kernel`), then 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
 
 import triton
 import triton.language as tl
 
-from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.launch import (
+    FLOATS,
+    ITEMSIZE,
+    NUM_SMS,
+    Buffer,
+    Launch,
+    Recipe,
+    Step,
+    cdiv,
+    next_pow2,
+    promote,
+    row_align,
+)
 
 
 @triton.jit
@@ -449,6 +464,70 @@ def plan_dw_reduce(n_partials: int, n_cols: int, n_batch: int = 1) -> Launch:
                   {"ROW_ALIGN": row_align(n_cols), "BLOCK_P": block_p, "BLOCK_N": block_n})
 
 
+# ---------------------------------------------------------------------------------------------------
+# The op's contract, shared by both front ends: argument rules, then the launch recipes.
+
+
+def check_rms_norm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str, w_shape: tuple[int, ...], eps) -> str:
+    """Validate an `rms_norm(x, weight, eps)` call from dtype names and shapes; returns the output dtype
+    (eager's promotion of x and weight: float16 with bfloat16 gives float32)."""
+    if x_dtype not in FLOATS:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x_dtype}")
+    if w_dtype not in FLOATS:
+        raise TypeError(f"weight must be float16, bfloat16 or float32, got {w_dtype}")
+    if len(x_shape) == 0:
+        raise ValueError("x must have at least one dimension [..., N], got a scalar")
+    if tuple(w_shape) != (x_shape[-1],):
+        raise ValueError(f"weight must have shape [{x_shape[-1]}] (x's last dim), got {list(w_shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return promote(x_dtype, w_dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str,
+                        x_row_stride: int | None = None) -> Recipe:
+    """Inputs x [n_rows, n_cols] (rows `x_row_stride` apart, default contiguous) and w [n_cols]
+    (contiguous); result y [n_rows, n_cols] contiguous."""
+    y_dtype = promote(x_dtype, w_dtype)
+    y = Buffer("y", (n_rows, n_cols), y_dtype)
+    if n_rows * n_cols == 0:
+        return Recipe((Step(None, (), (y,)),), ("y",))
+    x_row_stride = n_cols if x_row_stride is None else x_row_stride
+    itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype, y_dtype))
+    plan = plan_rms_norm_fwd(n_rows, n_cols, eps, (x_row_stride, n_cols), itemsize)
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, y_row_stride=n_cols)
+    return Recipe((Step(plan, ("x", "w"), (y,), scalars),), ("y",))
+
+
+@functools.lru_cache(maxsize=4096)
+def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str,
+                        x_row_stride: int | None = None, dy_row_stride: int | None = None,
+                        n_batch: int = 1) -> Recipe:
+    """Inputs x and dy [n_batch * n_rows, n_cols] (rows `*_row_stride` apart, default contiguous; dy of the
+    forward's output dtype) and w [n_cols]; results dx [n_batch * n_rows, n_cols] contiguous and dw
+    [n_batch, n_cols] (one per problem: n_batch > 1 only under jax.vmap)."""
+    dx = Buffer("dx", (n_batch * n_rows, n_cols), x_dtype)
+    if n_rows * n_cols == 0:
+        return Recipe((Step(None, (), (dx, Buffer("dw", (n_batch, n_cols), w_dtype, fill=0))),), ("dx", "dw"))
+    x_row_stride = n_cols if x_row_stride is None else x_row_stride
+    dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch)
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, dy_row_stride=dy_row_stride,
+                   dx_row_stride=n_cols)
+    steps, inputs = [], ("x", "w", "dy")
+    if plan.stats is not None:
+        steps.append(Step(plan.stats, inputs, (Buffer("stats", (n_batch * n_rows, 2), "float32"),), scalars))
+        inputs += ("stats",)
+    partial = Buffer("partial", (n_batch * plan.n_partials, n_cols), "float32")
+    steps.append(Step(plan.bwd, inputs, (dx, partial), scalars))
+    steps.append(Step(plan.reduce, ("partial",), (Buffer("dw", (n_batch, n_cols), w_dtype),),
+                      dict(n_partials=plan.n_partials, n_cols=n_cols)))
+    return Recipe(tuple(steps), ("dx", "dw"))
+
+
 def compile_variants():
     """Every (launch, signature) the plans can choose, for the sm_90 compile check (xkern/compile_check.py)."""
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
@@ -456,17 +535,16 @@ def compile_variants():
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     widths += [3, 300, 2052, 5000]  # every ROW_ALIGN
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
-    pairs = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32"),
-             ("float16", "float32")]
+    pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
                                                               MAX_FWD_BLOCK + 1)]
     for x_dtype, w_dtype, n_cols, n_rows in cases:
-        y_dtype = x_dtype if x_dtype == w_dtype else "float32"
+        y_dtype = promote(x_dtype, w_dtype)
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
                 "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
         ptrs["STATS"] = "*fp32"
         bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6)
-        itemsize = 4 if "float32" in (x_dtype, w_dtype) else 2
+        itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype, y_dtype))
         for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6, (), itemsize), bwd.stats, bwd.bwd, bwd.reduce):
             if launch is not None:
                 yield launch, ptrs
