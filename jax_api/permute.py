@@ -15,18 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
+from xkern import permute as contract
 from xkern.launch import check_int
-from xkern.permute import (
-    check_counts,
-    check_generate,
-    check_index,
-    check_permutation,
-    check_rows,
-    check_unpermute,
-    generate_recipe,
-    inverse_recipe,
-    permute_recipe,
-)
 
 
 def _gather(x, idx, n_out: int):
@@ -53,7 +43,7 @@ def _gather_op(n_out: int):
 
 
 def _gather_kernel(x, idx, n_out: int):
-    (out,) = execute(permute_recipe(n_out, x.shape[1], x.shape[0], x.dtype.name, x.shape[1]), x=x, idx=idx)
+    (out,) = execute(contract.permute_recipe(n_out, x.shape[1], x.shape[0], x.dtype.name, x.shape[1]), x=x, idx=idx)
     return out
 
 
@@ -72,7 +62,7 @@ def _inverse_op(num_rows: int):
 
 
 def _inverse_kernel(idx, num_rows: int):
-    (inv,) = execute(inverse_recipe(idx.shape[0], num_rows, idx.dtype.name), idx=idx)
+    (inv,) = execute(contract.inverse_recipe(idx.shape[0], num_rows, idx.dtype.name), idx=idx)
     return inv
 
 
@@ -115,12 +105,12 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 def _check_rows(name: str, x) -> None:
     check_array(name, x)
-    check_rows(name, x.dtype.name, tuple(x.shape))
+    contract.check_rows(name, x.dtype.name, tuple(x.shape))
 
 
 def _check_index(name: str, idx, like=None) -> None:
     check_array(name, idx)
-    check_index(name, idx.dtype.name, tuple(idx.shape))
+    contract.check_index(name, idx.dtype.name, tuple(idx.shape))
     if like is not None:
         devices = [_devices(a) for a in (idx, like)]
         if None not in devices and devices[0] != devices[1]:
@@ -155,10 +145,10 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
+    contract.check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
     experts_per_rank, num_ranks, max_len = int(experts_per_rank), int(num_ranks), int(max_len)
     if validate:
-        check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
+        contract.check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
     outs = _generate_op(experts_per_rank, num_ranks, max_len, int(alignment))(counts)
     return tuple(vary_like(o, counts) for o in outs)
 
@@ -175,7 +165,7 @@ def _generate_op(experts_per_rank: int, num_ranks: int, max_len: int, alignment:
 
 
 def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
-    return tuple(execute(generate_recipe(experts_per_rank, num_ranks, max_len, alignment), counts=counts))
+    return tuple(execute(contract.generate_recipe(experts_per_rank, num_ranks, max_len, alignment), counts=counts))
 
 
 def permute_rows(x, permuted_indices, validate: bool = False):
@@ -189,7 +179,7 @@ def permute_rows(x, permuted_indices, validate: bool = False):
     _check_rows("x", x)
     _check_index("permuted_indices", permuted_indices, like=x)
     if validate:
-        check_permutation(_host("permuted_indices", permuted_indices), x.shape[0])
+        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0])
     return _permute(x.shape[0], x, permuted_indices)
 
 
@@ -199,7 +189,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     _check_index("permuted_indices", permuted_indices)
     num_rows = check_int("num_rows", num_rows)
     if validate:
-        check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
 
 
@@ -210,7 +200,7 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
     num_rows = check_int("num_rows", num_rows)
-    check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
+    contract.check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
     if validate:
-        check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return _unpermute(num_rows, y, permuted_indices)

@@ -302,10 +302,10 @@ def test_bad_inputs_raise_clear_errors():
     cases = [
         (TypeError, "x must be float16", (x.to(torch.int32), w)),
         (TypeError, "x must be float16", (x.to(torch.complex64), w)),
-        (TypeError, "weight must have x's dtype", (x.half(), w.bfloat16())),
+        (TypeError, "weight must be float16, bfloat16 or float32", (x, w.double())),
         (ValueError, r"weight must have shape \[8\]", (x, torch.ones(7, device=DEVICE))),
         (ValueError, "at least one dimension", (torch.tensor(1.0, device=DEVICE), w[:1])),
-        (TypeError, "must be torch.Tensors", (x.cpu().numpy(), w)),
+        (TypeError, "x must be a torch.Tensor", (x.cpu().numpy(), w)),
     ]
     for exc, msg, args in cases:
         with pytest.raises(exc, match=msg):
@@ -321,7 +321,7 @@ def test_bad_inputs_raise_clear_errors():
     jx, jw = jnp.ones((4, 8)), jnp.ones(8)
     jcases = [
         (TypeError, "x must be float16", (jx.astype(jnp.int32), jw)),
-        (TypeError, "weight must have x's dtype", (jx.astype(jnp.float16), jw.astype(jnp.bfloat16))),
+        (TypeError, "weight must be float16, bfloat16 or float32", (jx, jw.astype(jnp.int32))),
         (ValueError, r"weight must have shape \[8\]", (jx, jnp.ones(3))),
         (TypeError, "must be a jax array", ([1.0], jw)),
     ]

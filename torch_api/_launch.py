@@ -11,8 +11,12 @@ Three ways to launch one plan, all the same binary:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import operator
 import os
+import threading
 
 import torch
 from triton import knobs
@@ -55,6 +59,18 @@ def eager(*tensors: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
+def functorch_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def fast_apply(function: type[torch.autograd.Function]):
+    """`function.apply` without its Python wrapper (which re-binds default arguments through
+    inspect.signature on every call), for calls with every argument given and no functorch transform
+    active; the wrapper where this torch has no such C++ entry point."""
+    raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+    return raw.__get__(None, function) if raw is not None else function.apply
+
+
 def needs_autograd(*tensors: torch.Tensor) -> bool:
     """Whether an eager call must go through its autograd.Function: a tensor requires grad, forward-mode
     AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
@@ -71,7 +87,7 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 1 and (t.stride(-1) == 1 or width == 1):
         try:
             return t.view(rows, width)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # fake tensors raise ValueError
             pass
     return t.reshape(rows, width).contiguous()
 
@@ -81,6 +97,32 @@ def _alloc(buffer, device) -> torch.Tensor:
     if buffer.fill is None:
         return torch.empty(buffer.shape, dtype=dtype, device=device)
     return torch.full(buffer.shape, buffer.fill, dtype=dtype, device=device)
+
+
+_TRACING = threading.local()
+
+
+def register_op(name: str):
+    """Decorator: `fn` as the op `name`, a `torch.library.triton_op`, so that Inductor launches its kernels
+    from the generated code. Under the interpreter, whose kernels torch cannot trace, an opaque custom op
+    whose fake implementation is `fn` with its launches skipped."""
+
+    def wrap(fn):
+        if not INTERPRET:
+            return torch.library.triton_op(name, mutates_args=())(fn)
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+
+        def fake(*args, **kwargs):
+            _TRACING.active = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TRACING.active = False
+
+        op.register_fake(fake)
+        return op
+
+    return wrap
 
 
 def run_recipe(recipe: Recipe, device, **inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -100,69 +142,85 @@ def launch(plan: Launch, *arrays: torch.Tensor, **scalars) -> None:
 
 
 def _launch_wrapped(plan: Launch, arrays, scalars) -> None:
+    if getattr(_TRACING, "active", False):
+        return
     kwargs = bind(plan, arrays, scalars)
-    if INTERPRET:
-        with INTERPRETER_LOCK:
-            plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    else:
+    with INTERPRETER_LOCK if INTERPRET else contextlib.nullcontext():
         torch.library.wrap_triton(plan.kernel)[plan.grid](**kwargs, num_warps=plan.num_warps,
                                                           num_stages=plan.num_stages)
 
 
-class _Launcher:
-    """One step's kernel, ready to launch on pointers: the argument list in the kernel's parameter order
-    with the scalars and constexprs filled in, and the compiled binaries by (device, pointer alignment)."""
+_RUNTIME = knobs.runtime
 
-    def __init__(self, plan: Launch, n_arrays: int, scalars: dict):
+
+def _hooks_set() -> bool:
+    """Whether a profiler set Triton's launch hooks (they run only on Triton's own launch path)."""
+    enter, exit_ = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
+
+
+class _Launcher:
+    """One step's kernel, ready to launch on data pointers: the scalar and constexpr arguments laid out
+    once in the kernel's parameter order (inputs, scalars, outputs, constexprs), and the compiled binary
+    per device for 16-byte-aligned pointers. Other alignments (offset views) go through Triton's launcher,
+    which picks the binary specialized for them."""
+
+    def __init__(self, plan: Launch, n_inputs: int, n_outputs: int, scalars: dict):
         names = plan.kernel.arg_names
-        self.plan = plan
-        self.args = [scalars.get(n, plan.constexprs.get(n)) for n in names]
-        self.slots = [i for i, n in enumerate(names) if n not in scalars and n not in plan.constexprs]
-        assert len(self.slots) == n_arrays, (plan.kernel.__name__, names)
-        self.scalars = scalars
+        order = [n for n in names if n in scalars]
+        consts = [n for n in names if n in plan.constexprs]
+        n_ptrs = len(names) - len(order) - len(consts)
+        if n_ptrs != n_inputs + n_outputs or names[n_inputs:n_inputs + len(order)] != order or \
+                names[len(names) - len(consts):] != consts:
+            raise TypeError(f"{plan.kernel.__name__}{tuple(names)} is not ordered inputs, scalars, outputs, "
+                            f"constexprs for {n_inputs} inputs and {n_outputs} outputs")
+        self.plan, self.scalars, self.n_inputs = plan, scalars, n_inputs
+        self.middle = tuple(scalars[n] for n in order)
+        self.tail = tuple(plan.constexprs[n] for n in consts)
+        self.grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         self.binaries = {}
-        grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
-        self.grid = grid
 
     def __call__(self, arrays: list[torch.Tensor], device: int) -> None:
+        ptrs = [a.data_ptr() for a in arrays]
+        binary = self.binaries.get(device)
+        aligned = not functools.reduce(operator.or_, ptrs) & 15
+        if binary is None or not aligned or INTERPRET or _hooks_set():
+            self._slow(arrays, device, aligned)
+            return
+        n = self.n_inputs
+        binary.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), binary.function, binary.packed_metadata,
+                   None, None, None, *ptrs[:n], *self.middle, *ptrs[n:], *self.tail)
+
+    def _slow(self, arrays, device, aligned) -> None:
+        plan = self.plan
+        kwargs = bind(plan, arrays, self.scalars)
         if INTERPRET:
             with INTERPRETER_LOCK:
-                self.plan.kernel[self.plan.grid](**bind(self.plan, arrays, self.scalars),
-                                                 num_warps=self.plan.num_warps, num_stages=self.plan.num_stages)
+                plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
             return
-        ptrs = [a.data_ptr() for a in arrays]
-        # Triton specializes pointers on 16-byte alignment: one binary per alignment pattern.
-        key = (device, *(p & 15 == 0 for p in ptrs))
-        binary = self.binaries.get(key)
-        if binary is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook:
-            # First launch (compiles, or finds Triton's cached binary), or a profiler's hooks are set.
-            with torch.cuda.device(device):
-                self.binaries[key] = self.plan.kernel[self.plan.grid](
-                    **bind(self.plan, arrays, self.scalars), num_warps=self.plan.num_warps,
-                    num_stages=self.plan.num_stages)
-            return
-        args = self.args.copy()
-        for slot, p in zip(self.slots, ptrs):
-            args[slot] = p
-        g0, g1, g2 = self.grid
-        binary.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), binary.function,
-                   binary.packed_metadata, None, None, None, *args)
+        with torch.cuda.device(device):
+            binary = plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        if aligned:
+            self.binaries[device] = binary
 
 
 class Executor:
     """A recipe bound for eager launches: buffers by position, launchers built once. Cache one per call
-    signature (shapes, strides, dtypes, scalars) and call it with the input tensors."""
+    signature (shapes, strides, dtypes, scalars) and call it with the input tensors. `shapes` gives some
+    buffers another shape of the same size (contiguous, so the same layout), e.g. a result in x's shape."""
 
-    def __init__(self, recipe: Recipe, input_names: tuple[str, ...]):
+    def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None):
+        shapes = shapes or {}
         index = {n: i for i, n in enumerate(input_names)}
         self.steps = []
         for step in recipe.steps:
             ins = [index[n] for n in step.inputs]
             for b in step.outputs:
                 index[b.name] = len(index)
-            launcher = None if step.launch is None else _Launcher(step.launch, len(ins) + len(step.outputs),
+            launcher = None if step.launch is None else _Launcher(step.launch, len(ins), len(step.outputs),
                                                                   step.scalars)
-            self.steps.append((launcher, ins, [(b.shape, DTYPES[b.dtype], b.fill) for b in step.outputs]))
+            outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for b in step.outputs]
+            self.steps.append((launcher, ins, outs))
         self.results = [index[n] for n in recipe.results]
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -172,6 +230,6 @@ class Executor:
             new = [torch.empty(shape, dtype=dtype, device=device) if fill is None
                    else torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in outs]
             if launcher is not None:
-                launcher([bufs[i] for i in ins] + new, device.index if device.type == "cuda" else -1)
+                launcher([bufs[i] for i in ins] + new, device.index)
             bufs += new
         return [bufs[i] for i in self.results]

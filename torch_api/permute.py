@@ -17,7 +17,10 @@ from torch_api._launch import (
     check_tensor,
     dtype_name,
     eager,
+    fast_apply,
+    functorch_active,
     needs_autograd,
+    register_op,
     run_recipe,
 )
 from xkern.launch import check_int
@@ -40,12 +43,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if x.stride(1) != 1 and x.shape[1] > 1 else x
 
 
+# int(): the plans depend on the shapes, so a compiled graph specializes on them.
 def _permute_recipe(x, idx):
-    return permute_recipe(idx.shape[0], x.shape[1], x.shape[0], dtype_name(x.dtype), x.stride(0))
+    return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)))
 
 
 def _unpermute_recipe(y, idx, num_rows):
-    return unpermute_recipe(idx.shape[0], y.shape[1], num_rows, dtype_name(y.dtype), y.stride(0),
+    return unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
                             dtype_name(idx.dtype))
 
 
@@ -53,7 +57,7 @@ def _unpermute_recipe(y, idx, num_rows):
 # Registered ops: torch.compile, export, DTensor, fake tensors.
 
 
-@torch.library.triton_op("xkern::generate_permute_indices", mutates_args=())
+@register_op("xkern::generate_permute_indices")
 def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, max_len: int,
                  alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = generate_recipe(experts_per_rank, num_ranks, max_len, alignment)
@@ -61,21 +65,21 @@ def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, ma
     return idx, m_sizes, m_offsets
 
 
-@torch.library.triton_op("xkern::permute_rows", mutates_args=())
+@register_op("xkern::permute_rows")
 def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     x = _rows(x)
     (out,) = run_recipe(_permute_recipe(x, idx), x.device, x=x, idx=idx.contiguous())
     return out
 
 
-@torch.library.triton_op("xkern::inverse_permutation", mutates_args=())
+@register_op("xkern::inverse_permutation")
 def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    (inv,) = run_recipe(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), idx.device,
+    (inv,) = run_recipe(inverse_recipe(int(idx.shape[0]), num_rows, dtype_name(idx.dtype)), idx.device,
                         idx=idx.contiguous())
     return inv
 
 
-@torch.library.triton_op("xkern::unpermute_rows", mutates_args=())
+@register_op("xkern::unpermute_rows")
 def _unpermute_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     y = _rows(y)
     (out,) = run_recipe(_unpermute_recipe(y, idx, num_rows), y.device, y=y, idx=idx.contiguous())
@@ -116,14 +120,23 @@ def _executor(key, make_recipe, names):
 
 def _permute_eager(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     x = _rows(x)
-    key = ("permute", x.shape, x.stride(0), x.dtype, idx.shape, idx.dtype, x.device)
-    return _executor(key, lambda: _permute_recipe(x, idx), ("x", "idx"))(x, idx.contiguous())[0]
+    key = ("permute", x.shape, x.stride(0), x.dtype, x.device, idx.shape, idx.dtype, idx.device)
+    ex = _EXECUTORS.get(key)
+    if ex is None:  # first call of this signature: the checks, then the recipe
+        _check_rows("x", x)
+        _check_index("permuted_indices", idx, like=x)
+        ex = _EXECUTORS[key] = Executor(_permute_recipe(x, idx), ("x", "idx"))
+    return ex(x, idx.contiguous())[0]
 
 
 def _unpermute_eager(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     y = _rows(y)
-    key = ("unpermute", y.shape, y.stride(0), y.dtype, idx.shape, idx.dtype, num_rows, y.device)
-    return _executor(key, lambda: _unpermute_recipe(y, idx, num_rows), ("y", "idx"))(y, idx.contiguous())[0]
+    key = ("unpermute", y.shape, y.stride(0), y.dtype, y.device, idx.shape, idx.dtype, idx.device, num_rows)
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        _check_unpermute(y, idx, num_rows)
+        ex = _EXECUTORS[key] = Executor(_unpermute_recipe(y, idx, num_rows), ("y", "idx"))
+    return ex(y, idx.contiguous())[0]
 
 
 class _Permute(torch.autograd.Function):
@@ -170,16 +183,26 @@ class _Unpermute(torch.autograd.Function):
         return _unpermute(ty, idx, ctx.num_rows)
 
 
+_apply_permute, _apply_unpermute = fast_apply(_Permute), fast_apply(_Unpermute)
+
+
 def _permute(x, idx):
-    if eager(x, idx):
-        return _Permute.apply(x, idx) if needs_autograd(x) else _permute_eager(x, idx)
-    return torch.ops.xkern.permute_rows(x, idx)
+    if not eager(x, idx):
+        _check_rows("x", x)
+        _check_index("permuted_indices", idx, like=x)
+        return torch.ops.xkern.permute_rows(x, idx)
+    if not needs_autograd(x):
+        return _permute_eager(x, idx)
+    return _Permute.apply(x, idx) if functorch_active() else _apply_permute(x, idx)
 
 
 def _unpermute(y, idx, num_rows):
-    if eager(y, idx):
-        return _Unpermute.apply(y, idx, num_rows) if needs_autograd(y) else _unpermute_eager(y, idx, num_rows)
-    return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
+    if not eager(y, idx):
+        _check_unpermute(y, idx, num_rows)
+        return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
+    if not needs_autograd(y):
+        return _unpermute_eager(y, idx, num_rows)
+    return _Unpermute.apply(y, idx, num_rows) if functorch_active() else _apply_unpermute(y, idx, num_rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,6 +219,13 @@ def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
     check_tensor(name, idx)
     check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
     check_device(name, idx, like=like)
+
+
+def _check_unpermute(y, idx, num_rows) -> None:
+    _check_rows("y", y)
+    _check_index("permuted_indices", idx, like=y)
+    check_int("num_rows", num_rows)
+    check_unpermute(tuple(y.shape), tuple(idx.shape))
 
 
 def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_rank: int, num_ranks: int,
@@ -230,9 +260,9 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
     through the inverse permutation (`unpermute_rows`). `validate=True` (host sync) checks the valid
     entries are a one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
     """
-    _check_rows("x", x)
-    _check_index("permuted_indices", permuted_indices, like=x)
     if validate:
+        _check_rows("x", x)
+        _check_index("permuted_indices", permuted_indices, like=x)
         check_permutation(permuted_indices.detach().cpu().numpy(), x.shape[0])
     return _permute(x, permuted_indices)
 
@@ -257,10 +287,7 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y: dy =
     permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`."""
-    _check_rows("y", y)
-    _check_index("permuted_indices", permuted_indices, like=y)
-    check_int("num_rows", num_rows)
-    check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
     if validate:
+        _check_unpermute(y, permuted_indices, num_rows)
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
     return _unpermute(y, permuted_indices, num_rows)

@@ -17,7 +17,10 @@ from torch_api._launch import (
     check_tensor,
     dtype_name,
     eager,
+    fast_apply,
+    functorch_active,
     needs_autograd,
+    register_op,
     rows_view,
     run_recipe,
 )
@@ -41,21 +44,22 @@ def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
 # Registered ops: torch.compile, export, DTensor, fake tensors.
 
 
-@torch.library.triton_op("xkern::rms_norm_fwd", mutates_args=())
+@register_op("xkern::rms_norm_fwd")
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = rows_view(x)
-    recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], eps, dtype_name(x.dtype), dtype_name(weight.dtype),
-                                 x2.stride(0))
+    # int(): the plan depends on the shape, so a compiled graph specializes on it (guards, no symbols).
+    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
+                                 dtype_name(weight.dtype), int(x2.stride(0)))
     (y,) = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight))
     return y.view(x.shape)
 
 
-@torch.library.triton_op("xkern::rms_norm_bwd", mutates_args=())
+@register_op("xkern::rms_norm_bwd")
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2, dy2 = rows_view(x), rows_view(dy)
-    recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], eps, dtype_name(x.dtype), dtype_name(weight.dtype),
-                                 x2.stride(0), dy2.stride(0))
+    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
+                                 dtype_name(weight.dtype), int(x2.stride(0)), int(dy2.stride(0)))
     dx, dw = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight), dy=dy2)
     return dx.view(x.shape), dw.view(weight.shape)
 
@@ -84,13 +88,12 @@ class _Forward:
         _check(x, weight, eps)
         x2 = rows_view(x)
         self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0  # not viewable as rows: one copy
-        self.shape = x.shape
-        self.run = Executor(rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
-                                                dtype_name(weight.dtype), x2.stride(0)), ("x", "w"))
+        recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
+                                     dtype_name(weight.dtype), x2.stride(0))
+        self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        (y,) = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight))
-        return y.view(self.shape)
+        return self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight))[0]
 
 
 class _Backward:
@@ -98,15 +101,13 @@ class _Backward:
         x2, dy2 = rows_view(x), rows_view(dy)
         self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0
         self.copy_dy = dy2.data_ptr() != dy.data_ptr() and dy.numel() > 0
-        self.shape, self.w_shape = x.shape, weight.shape
         recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
                                      dtype_name(weight.dtype), x2.stride(0), dy2.stride(0))
-        self.run = Executor(recipe, ("x", "w", "dy"))
+        self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": weight.shape})
 
     def __call__(self, dy, x, weight):
-        dx, dw = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
-                          dy.contiguous() if self.copy_dy else dy)
-        return dx.view(self.shape), dw.view(self.w_shape)
+        return self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
+                        dy.contiguous() if self.copy_dy else dy)
 
 
 _FORWARDS: dict = {}
@@ -186,6 +187,11 @@ class _RMSNormFunction(torch.autograd.Function):
         return torch.stack([_RMSNormFunction.apply(a, b, eps) for a, b in zip(xs, weight)]), 0
 
 
+# autograd.Function.apply binds default arguments with inspect.signature on every call (a third of the
+# eager step's host time); without a functorch transform the C++ apply it wraps does the same work.
+_apply_rms_norm = fast_apply(_RMSNormFunction)
+
+
 class _RMSNormBackward(torch.autograd.Function):
     """The joint backward as a graph node (create_graph, torch.func): it has no derivative of its own."""
 
@@ -219,9 +225,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     eager's promotion of the two (float32 when they differ).
     """
     if eager(x, weight):
-        if needs_autograd(x, weight):
-            return _RMSNormFunction.apply(x, weight, eps)
-        return _forward(x, weight, eps)
+        if not needs_autograd(x, weight):
+            return _forward(x, weight, eps)
+        if not functorch_active():
+            return _apply_rms_norm(x, weight, eps)
+        return _RMSNormFunction.apply(x, weight, eps)
     _check(x, weight, eps)
     return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps))
 

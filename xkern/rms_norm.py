@@ -482,7 +482,7 @@ def check_rms_norm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str, w_shape
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not 0 <= eps < math.inf:
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+        raise ValueError(f"eps must be >= 0 and finite, got {eps}")
     return promote(x_dtype, w_dtype)
 
 
