@@ -119,24 +119,22 @@ def _executor(key, make_recipe, names):
 
 
 def _permute_eager(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    x = _rows(x)
-    key = ("permute", x.shape, x.stride(0), x.dtype, x.device, idx.shape, idx.dtype, idx.device)
+    key = ("permute", x.shape, x.stride(), x.dtype, x.device, idx.shape, idx.dtype, idx.device)
     ex = _EXECUTORS.get(key)
     if ex is None:  # first call of this signature: the checks, then the recipe
         _check_rows("x", x)
         _check_index("permuted_indices", idx, like=x)
-        ex = _EXECUTORS[key] = Executor(_permute_recipe(x, idx), ("x", "idx"))
-    return ex(x, idx.contiguous())[0]
+        ex = _EXECUTORS[key] = Executor(_permute_recipe(_rows(x), idx), ("x", "idx"))
+    return ex(_rows(x), idx.contiguous())[0]
 
 
 def _unpermute_eager(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    y = _rows(y)
-    key = ("unpermute", y.shape, y.stride(0), y.dtype, y.device, idx.shape, idx.dtype, idx.device, num_rows)
+    key = ("unpermute", y.shape, y.stride(), y.dtype, y.device, idx.shape, idx.dtype, idx.device, num_rows)
     ex = _EXECUTORS.get(key)
     if ex is None:
         _check_unpermute(y, idx, num_rows)
-        ex = _EXECUTORS[key] = Executor(_unpermute_recipe(y, idx, num_rows), ("y", "idx"))
-    return ex(y, idx.contiguous())[0]
+        ex = _EXECUTORS[key] = Executor(_unpermute_recipe(_rows(y), idx, num_rows), ("y", "idx"))
+    return ex(_rows(y), idx.contiguous())[0]
 
 
 class _Permute(torch.autograd.Function):

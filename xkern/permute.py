@@ -253,8 +253,8 @@ def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...]) -> Non
 
 def check_generate(counts_shape: tuple[int, ...], experts_per_rank, num_ranks, max_len, alignment) -> None:
     """generate_permute_indices' scalar arguments (counts' dtype and rank: `check_index`)."""
-    check_int("experts_per_rank", experts_per_rank, 1)
-    check_int("num_ranks", num_ranks, 1)
+    if check_int("experts_per_rank", experts_per_rank) < 1 or check_int("num_ranks", num_ranks) < 1:
+        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
     check_int("max_len", max_len)
     check_int("alignment", alignment, 1)
     if counts_shape[0] != experts_per_rank * num_ranks:
