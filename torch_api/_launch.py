@@ -54,9 +54,12 @@ def eager(*tensors: torch.Tensor) -> bool:
     """Whether an eager call may launch directly (an `Executor`) rather than through the registered op:
     plain tensors, not being compiled or traced, no dispatch mode active. Under a functorch transform the
     op's autograd.Function takes the call (its forward then sees plain tensors)."""
-    return (not torch.compiler.is_compiling()
-            and all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
-            and torch._C._len_torch_dispatch_stack() == 0)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
 
 
 def functorch_active() -> bool:
@@ -182,14 +185,15 @@ class _Launcher:
 
     def __call__(self, arrays: list[torch.Tensor], device: int) -> None:
         ptrs = [a.data_ptr() for a in arrays]
-        binary = self.binaries.get(device)
+        entry = self.binaries.get(device)
         aligned = not functools.reduce(operator.or_, ptrs) & 15
-        if binary is None or not aligned or INTERPRET or _hooks_set():
+        if entry is None or not aligned or INTERPRET or _hooks_set():
             self._slow(arrays, device, aligned)
             return
+        launch, head, meta = entry
         n = self.n_inputs
-        binary.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), binary.function, binary.packed_metadata,
-                   None, None, None, *ptrs[:n], *self.middle, *ptrs[n:], *self.tail)
+        launch(*self.grid, torch._C._cuda_getCurrentRawStream(device), *head, meta, None, None, None, *ptrs[:n],
+               *self.middle, *ptrs[n:], *self.tail)
 
     def _slow(self, arrays, device, aligned) -> None:
         plan = self.plan
@@ -201,7 +205,20 @@ class _Launcher:
         with torch.cuda.device(device):
             binary = plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
         if aligned:
-            self.binaries[device] = binary
+            self.binaries[device] = _entry(binary)
+
+
+def _entry(binary):
+    """How to launch a compiled kernel: `(launch, leading arguments, packed metadata)`. Triton 3.6's CUDA
+    launcher object allocates scratch space, then calls its C `launch` with the cooperative-grid and PDL
+    flags and the two scratch pointers; kernels that need no scratch are launched through `launch`
+    directly. Anything else goes through the launcher object (`binary.run`)."""
+    run = binary.run
+    if getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0 and \
+            hasattr(run, "launch") and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl"):
+        return run.launch, (binary.function, run.launch_cooperative_grid, run.launch_pdl, None, None), \
+            binary.packed_metadata
+    return run, (binary.function,), binary.packed_metadata
 
 
 class Executor:
@@ -222,9 +239,17 @@ class Executor:
             outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for b in step.outputs]
             self.steps.append((launcher, ins, outs))
         self.results = [index[n] for n in recipe.results]
+        self.single = (len(self.steps) == 1 and self.steps[0][0] is not None and len(self.steps[0][2]) == 1
+                       and self.steps[0][2][0][2] is None and self.steps[0][1] == list(range(len(input_names)))
+                       and self.results == [len(input_names)])
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         device = inputs[0].device
+        if self.single:  # one launch, one output (the forward, the gathers): no buffer bookkeeping
+            launcher, _, ((shape, dtype, _),) = self.steps[0]
+            out = torch.empty(shape, dtype=dtype, device=device)
+            launcher([*inputs, out], device.index)
+            return [out]
         bufs = list(inputs)
         for launcher, ins, outs in self.steps:
             new = [torch.empty(shape, dtype=dtype, device=device) if fill is None
