@@ -2,7 +2,7 @@
 
     python -m benchmarks.tune_rms_norm [--passes fwd,bwd,cols,reduce] [--out results.json]
 
-Times each candidate with `triton.testing.do_bench` (median, L2 flushed before each call) and prints the
+Times each candidate with `timing.do_bench_us` (median, L2 flushed before each call) and prints the
 fraction of the copy ceiling over the minimum bytes, the current plan's figure beside the best. Candidates
 are compiled first in parallel worker processes (Triton's disk cache), so the sweep itself only times.
 
@@ -25,36 +25,23 @@ import sys
 import time
 
 import torch
-import triton
 
-from torch_api._launch import launch as launch_plan
+from benchmarks import timing
+from benchmarks.rms_norm import EPS, SHAPES
 from xkern import rms_norm as K
-from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.launch import NUM_SMS, Launch, bind, cdiv, next_pow2, row_align
 
-SHAPES = [
-    (262144, 128),
-    (32768, 128),
-    (262144, 64),
-    (65536, 256),
-    (8192, 2048),
-    (32768, 4096),
-    (8192, 8192),
-    (4096, 16384),
-    (2048, 32768),
-    (1024, 65536),
-]
-EPS = 1e-6
 DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3
+    """Seconds: a shorter do_bench than the benchmark's (thousands of candidates)."""
+    return timing.do_bench_us(fn, warmup_ms=5, rep_ms=25) * 1e-6
 
 
-def copy_ceiling() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / bench(lambda: b.copy_(a)) / 1e9
+def launch_plan(launch: Launch, *arrays, **scalars) -> None:
+    launch.kernel[launch.grid](**bind(launch, arrays, scalars), num_warps=launch.num_warps,
+                               num_stages=launch.num_stages)
 
 
 def _fixed(n, eps=True):
@@ -282,7 +269,7 @@ def main():
             jobs += [(c, n) for c in reduce_candidates(n)]
     precompile(jobs)
 
-    ceiling = copy_ceiling()
+    ceiling = timing.copy_ceiling(2**30)["gbps"]
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
 
