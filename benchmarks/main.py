@@ -74,6 +74,17 @@ def versions() -> dict:
     return out
 
 
+def commit() -> str | None:
+    """This tree's commit (with "+changes" when it has uncommitted ones), where git is there."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "") if head.returncode == 0 else None
+    except OSError:
+        return None
+
+
 def configure_dynamo() -> None:
     """torch.compile recompiles per shape (dynamic=False): room for every case, and a fallback to eager
     raises instead of being timed as the compiled peer."""
@@ -140,7 +151,7 @@ def run(args) -> int:
     out_dir = args.out or (RESULTS if GPU and not args.smoke else None)
     json_path = os.path.join(out_dir, output_stem(gpu, args) + ".json") if out_dir else None
     results = {
-        "gpu": gpu, "date": date, "versions": versions(), "mode": mode, "smoke": timing.smoke(),
+        "gpu": gpu, "date": date, "commit": commit(), "versions": versions(), "mode": mode, "smoke": timing.smoke(),
         "method": {
             "bytes": "minimum bytes: each input read once, each output written once (see docs/benchmarks.md)",
             "torch": "CUDA graph of the pass (one call per rotated input set) replayed under triton do_bench, "
@@ -148,7 +159,6 @@ def run(args) -> int:
             "jax": "n iterations inside one jitted lax.fori_loop (static trip count), each output fed into the "
                    "next input; host wall time of the call / n, median of several",
             "rotation": f"input sets rotated until they add up to >= {timing.ROTATE_BYTES / 1e6:.0f} MB",
-            "us_eager": "fwd+bwd rows: the same step launched eagerly from Python under do_bench",
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
         "rms_norm": {"eps": 1e-6}, "permute": {},
@@ -186,8 +196,7 @@ def run(args) -> int:
             continue
         t0 = time.time()
         try:
-            results["rows"] += runner.run_case(op, case, device, ceiling, log, timed=timed,
-                                               eager=mode in ("main", "quick"))
+            results["rows"] += runner.run_case(op, case, device, ceiling, log, timed=timed)
         except Exception as err:  # noqa: BLE001 - one broken case must not lose the rest
             results["skipped"].append(f"{case.label}: {type(err).__name__}: {err}")
             log(f"{case.label}: FAILED\n{traceback.format_exc(limit=-6)}")

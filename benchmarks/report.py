@@ -48,11 +48,11 @@ def _table(header: list[str], lines: list[list[str]]) -> list[str]:
                                                                              for c in lines]
 
 
-def _by_shape(rows) -> dict:
-    """(shape, dtype) -> {impl: row}, in the order first met."""
+def _group(rows, key) -> dict:
+    """key(row) -> {impl: row}, in the order first met."""
     out: dict = {}
     for r in rows:
-        out.setdefault((_shape(r), r["dtype"]), {})[r["impl"]] = r
+        out.setdefault(key(r), {})[r["impl"]] = r
     return out
 
 
@@ -62,7 +62,7 @@ def _frac_table(rows, impls, first_col, extra=()) -> list[str]:
     present = [i for i in impls if any(r["impl"] == i for r in rows)]
     present += sorted({r["impl"] for r in rows} - set(present))
     lines = []
-    for (shape, _), by in _by_shape(rows).items():
+    for (shape, _), by in _group(rows, lambda r: (_shape(r), r["dtype"])).items():
         best = max((r["frac"] for r in by.values() if r["frac"] is not None), default=None)
         cells = [f"**{_cell(by.get(i))}**" if by.get(i) and by[i]["frac"] is not None and by[i]["frac"] == best
                  else _cell(by.get(i)) for i in present]
@@ -73,10 +73,7 @@ def _frac_table(rows, impls, first_col, extra=()) -> list[str]:
 def ratios(rows) -> list[dict]:
     """Per (op, pass, dtype, shape): xkern (torch) over the best peer (device time), and JAX over torch."""
     out = []
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[r["impl"]] = r
-    for (op, pass_, dtype, shape), by in groups.items():
+    for (op, pass_, dtype, shape), by in _group(rows, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
         xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
         peers = [(r["frac"], name) for name, r in by.items() if not name.startswith("xkern") and r["frac"]]
         if not xk or not xk["frac"]:
@@ -97,8 +94,10 @@ def _versions(v: dict) -> str:
 
 def _header(results) -> str:
     c = results["ceiling"]
+    source = f" Commit {results['commit']}." if results.get("commit") else ""
+    source += f" {results['sources']}" if results.get("sources") else ""
     return (f"Measured on **{results['gpu']}**, {results['date']} ({_versions(results['versions'])}). Copy ceiling "
-            f"**{c['gbps']:.0f} GB/s** (device-to-device copy, bytes read + written).")
+            f"**{c['gbps']:.0f} GB/s** (device-to-device copy, bytes read + written).{source}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,11 +108,21 @@ def host_tables(results) -> list[str]:
     out = []
     host = [h for h in results.get("host", []) if "wall_us" in h]
     if host:
-        out += ["", "**Host cost per call** (eager tight loop, one synchronize at the end): wall µs per call; "
-                "issue: before the synchronize; device: the call in a CUDA graph", ""]
-        out += _table(["op", "pass", "implementation", "shape", "wall µs", "issue µs", "device µs"],
-                      [[h["op"], h["pass"], h["impl"], h["shape"], f"{h['wall_us']:.1f}", f"{h['issue_us']:.1f}",
-                        f"{h['device_us']:.1f}" if h.get("device_us") is not None else ""] for h in host])
+        out += ["", "**Host cost per call** (eager tight loop, one synchronize at the end; wall µs per call, the "
+                "device time of the call in a CUDA graph beside it). The floor of this host: an empty custom op, an "
+                "empty Triton launch, and `torch.autograd.grad` through a native op (F.rms_norm's forward + "
+                "backward).", ""]
+        lines = []
+        for (op, pass_), by in _group(host, lambda h: (h["op"], h["pass"])).items():
+            if op == "floor":
+                lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", ""] for impl, h in by.items()]
+                continue
+            xk = by.pop("xkern (torch)", None)
+            lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
+                          f"{xk['wall_us']:.1f}" if xk else "",
+                          f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",
+                          ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
+        out += _table(["call", "xkern wall µs", "xkern device µs", "peers: wall µs"], lines)
     block = [b for b in results.get("block", []) if "wall_us" in b]
     if block:
         cfg = block[0]["config"]
@@ -168,13 +177,6 @@ def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
                          ("xkern max ULP", lambda by: _ulp(by.get("xkern (torch)")))]
                 out += ["", f"**RMSNorm, {dtype}, {PASS_NAMES[pass_]}** (rows × width)", ""]
                 out += _frac_table(sel, RMS_IMPLS, "shape", extra)
-    eager = [r for r in rms if r.get("us_eager")]
-    if eager:
-        impls = [i for i in RMS_IMPLS if any(r["impl"] == i for r in eager)]
-        out += ["", "**RMSNorm forward + backward launched eagerly from Python** (µs per step, do_bench)", ""]
-        out += _table(["shape"] + impls, [[f"{shape} {dtype}"] + [f"{by[i]['us_eager']:.0f}" if i in by else ""
-                                                                  for i in impls]
-                                          for (shape, dtype), by in _by_shape(eager).items()])
     out += host_tables(results)
     gather = [r for r in rows if r["op"] in GATHER_OPS]
     if gather:

@@ -222,10 +222,9 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool = True,
-             eager: bool = True) -> list[dict]:
-    """Every implementation of `case`, checked then timed: a result row per implementation and pass.
-    `timed=False`: checked only; `eager`: also time fwd+bwd launched eagerly from Python (`us_eager`)."""
+def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool = True) -> list[dict]:
+    """Every implementation of `case`, checked then timed (`timed=False`: checked only): a result row per
+    implementation and pass."""
     import torch
 
     probe = op.make(case, device, 1)
@@ -289,10 +288,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                     continue
                 try:
                     if framework == "torch":
-                        make = torch_make_calls(fn, pass_, inputs)
-                        f["us"], f["timing"] = timing.torch_device_us(make)
-                        if eager and pass_ == "fwd+bwd":
-                            f["us_eager"] = timing.torch_eager_us(make())
+                        f["us"], f["timing"] = timing.torch_device_us(torch_make_calls(fn, pass_, inputs))
                         if name == "torch.compile":
                             f["compiled_graphs"] = _compiled_graphs() - graphs_before
                             if f["compiled_graphs"] < 1:
