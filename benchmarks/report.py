@@ -230,14 +230,17 @@ def summary(results: dict, sweep: dict | None, rel: str, plot_rel: str | None) -
         out += ["", f"Host µs per call (eager loop; peers and the block step in the full tables): xkern "
                 f"{'; '.join(cells)}. RMSNorm forward peers: {', '.join(peers)}. Floor: {', '.join(floor)}."]
     if sweep:
-        worst = []
-        for key in dict.fromkeys((r["pass"], r["dtype"]) for r in ratios(sweep["rows"])):
-            w = _worst([r for r in ratios(sweep["rows"]) if (r["pass"], r["dtype"]) == key])
-            if w:
-                worst.append(f"{PASS_NAMES[key[0]]} {key[1]} **{w['ratio']:.2f}** at width {w['width']} "
-                             f"({w['best_peer']})")
-        out += ["", f"Width sweep ({sweep['date']}, {len({r['shape'] for r in ratios(sweep['rows'])})} widths, "
-                f"64 to 65536): worst ratio to the best peer per pass: {'; '.join(worst)}."]
+        srs = ratios(sweep["rows"])
+        lines = []
+        for key in dict.fromkeys((r["pass"], r["dtype"]) for r in srs):
+            sel = [r for r in srs if (r["pass"], r["dtype"]) == key]
+            w, j = _worst(sel), _worst(sel, "jax_ratio")
+            lines.append([PASS_NAMES[key[0]], key[1], str(len(sel)),
+                          f"**{w['ratio']:.2f}** at {w['width']} ({w['best_peer']})" if w else "",
+                          f"{j['jax_ratio']:.2f} at {j['width']}" if j else ""])
+        out += ["", f"Width sweep ({sweep['date']}; widths 64 to 65536, x of 2^26 elements; plot and table per "
+                f"width: [`{rel}-sweep.md`]({rel}-sweep.md)):", ""]
+        out += _table(["pass", "dtype", "widths", "worst xkern / best peer", "worst JAX / torch"], lines)
     else:
         out += ["", "Width sweep: not measured yet (`python -m benchmarks.main --sweep`)."]
     out += ["", f"Every table: [`{rel}.md`]({rel}.md); data: [`{rel}.json`]({rel}.json); how it is measured: "
@@ -381,7 +384,7 @@ def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) 
     md = markdown(results, os.path.basename(json_path), paths)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(md)
-    if readme and not stem.endswith("-sweep"):
+    if readme and results.get("mode", "main") == "main":  # README quotes the main run (and its sweep)
         sweep_path = os.path.join(out_dir, stem + "-sweep.json")
         sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else None
         base = os.path.dirname(os.path.abspath(readme))

@@ -89,7 +89,7 @@ def torch_outputs(op: Op, fn, args, cot, consts) -> dict:
 
     leaves = [a.detach().requires_grad_() for a in args]
     y = fn(*leaves, *consts)
-    grads = torch.autograd.grad(y, leaves, cot)
+    grads = torch.autograd.grad(y, leaves, cot.clone())  # a clone: Liger writes dx into it
     return {"y": y.detach(), **dict(zip(op.grad_names, grads, strict=True))}
 
 
@@ -227,10 +227,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
     implementation and pass."""
     import torch
 
-    probe = op.make(case, device, 1)
-    k = timing.n_sets(op.min_bytes(case, "fwd"))
-    inputs = probe if k == 1 else op.make(case, device, k)
-    del probe
+    inputs = op.make(case, device, timing.n_sets(op.min_bytes(case, "fwd")))
     args0, cot0 = inputs.sets[0]
     rows: list[dict] = []
     info = {"input_sets": len(inputs.sets)}
@@ -281,7 +278,9 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                     + ("" if bitwise is None else f", bitwise = torch: {bitwise}"))
             for pass_ in case.passes:
                 f = dict(fields, ulp=_ulp(stats, pass_keys(op, pass_)))
-                f["check"] = (f"fail: {fail}" if fail else "pass") if xkern else "reported only"
+                f["check"] = f"fail: {fail}" if fail else "pass"
+                if not xkern:
+                    f["check"] = "reported only: " + f["check"]
                 if (xkern and fail) or not timed:
                     status = "wrong answer: not timed" if xkern and fail else "ok"
                     rows.append(_row(op, case, pass_, name, ceiling, status=status, **f))

@@ -32,3 +32,10 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert sum("wall_us" in b for b in results["block"]) == 4  # eager and compile, two norms (graphs need CUDA)
     md = path.with_suffix(".md").read_text()
     assert "Host cost per call" in md and "width sweep" in md
+
+    from benchmarks import report  # the sweep's parts merged, and README's summary quoting the sweep
+
+    merged = tmp_path / "merged-sweep.json"
+    report.merge(str(merged), [str(path), str(path)])
+    summary = report.summary(results, json.loads(merged.read_text()), "results/x", None)
+    assert "worst xkern / best peer" in summary and "worst JAX / torch" in summary
