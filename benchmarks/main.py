@@ -47,7 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
-SWEEP_CASE_S = 15.0  # seconds per sweep case on the H200 (every implementation, three passes; measured)
+# Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
+# the host table with the block step (six compiled or eager configurations).
+CASE_S = {"rms_norm": 15.0, "permute_rows": 4.0, "unpermute_rows": 4.0}
+HOST_S = 150.0
 
 
 def log(msg: str) -> None:
@@ -178,12 +181,14 @@ def run(args) -> int:
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
     log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
+    host_first = not mode.startswith("sweep") and args.only in (None, "rms_norm")
+    est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
+    log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
+        f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
     if mode.startswith("sweep"):
-        log(f"sweep: {len(work)} cases, about {len(work) * SWEEP_CASE_S / 60:.0f} min on an H200"
-            f" (budget {args.budget_s:.0f} s)")
         if mode == "sweep-smoke":
             results["host"] = host.host_table(device, log)
-    elif args.only in (None, "rms_norm"):
+    elif host_first:
         results["host"] = host.host_table(device, log)
         save()
         results["block"] = host.block_table(device, log)
