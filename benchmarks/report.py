@@ -18,12 +18,8 @@ import os
 
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RMS_IMPLS = ["xkern (torch)", "xkern (jax)", "HF eager", "F.rms_norm", "torch.compile", "Liger", "quack",
-             "jax.jit (XLA)"]
-GATHER_IMPLS = ["xkern (torch)", "xkern (jax)", "previous (vstack + index)", "previous (zeros + index_put)",
-                "index_select", "jnp.take + mask", "jnp.take"]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
-GATHER_OPS = ("permute_rows", "unpermute_rows")
+FIGURES = {"rms_norm": ("rms_norm",), "permute": ("permute_rows", "unpermute_rows")}  # PNG -> its ops
 
 
 def _shape(row) -> str:
@@ -48,26 +44,36 @@ def _table(header: list[str], lines: list[list[str]]) -> list[str]:
                                                                              for c in lines]
 
 
-def _group(rows, key) -> dict:
-    """key(row) -> {impl: row}, in the order first met."""
+def _group_rows(rows, key) -> dict:
+    """key(row) -> [rows], in the order first met."""
     out: dict = {}
     for r in rows:
-        out.setdefault(key(r), {})[r["impl"]] = r
+        out.setdefault(key(r), []).append(r)
     return out
 
 
-def _frac_table(rows, impls, first_col, extra=()) -> list[str]:
-    """A line per shape, a column per implementation present, the best fraction of a line in bold;
-    `extra`: (title, fn({impl: row})) columns."""
-    present = [i for i in impls if any(r["impl"] == i for r in rows)]
-    present += sorted({r["impl"] for r in rows} - set(present))
+def _group(rows, key) -> dict:
+    """key(row) -> {impl: row}, in the order first met."""
+    return {k: {r["impl"]: r for r in group} for k, group in _group_rows(rows, key).items()}
+
+
+def _impls(rows) -> list[str]:
+    """The implementations in `rows`: xkern's first, then the peers in the order met."""
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    return sorted(names, key=lambda name: not name.startswith("xkern"))
+
+
+def _frac_table(rows, extra=()) -> list[str]:
+    """A line per shape, a column per implementation, the best fraction of a line in bold; `extra`:
+    (title, fn({impl: row})) columns."""
+    present = _impls(rows)
     lines = []
     for (shape, _), by in _group(rows, lambda r: (_shape(r), r["dtype"])).items():
         best = max((r["frac"] for r in by.values() if r["frac"] is not None), default=None)
         cells = [f"**{_cell(by.get(i))}**" if by.get(i) and by[i]["frac"] is not None and by[i]["frac"] == best
                  else _cell(by.get(i)) for i in present]
         lines.append([shape] + cells + [fn(by) for _, fn in extra])
-    return _table([first_col] + present + [title for title, _ in extra], lines)
+    return _table(["shape"] + present + [title for title, _ in extra], lines)
 
 
 def ratios(rows) -> list[dict]:
@@ -167,26 +173,13 @@ def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
     if results.get("smoke"):
         out += ["**Smoke run: the code paths ran, nothing here is a measurement.**", ""]
     out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots_rel]
-    rms = [r for r in rows if r["op"] == "rms_norm"]
-    for dtype in dict.fromkeys(r["dtype"] for r in rms):
-        for pass_ in PASS_NAMES:
-            sel = [r for r in rms if r["dtype"] == dtype and r["pass"] == pass_]
-            if sel:
-                extra = [("xkern µs", lambda by: f"{by['xkern (torch)']['us']:.1f}"
-                          if (by.get("xkern (torch)") or {}).get("us") else ""),
-                         ("xkern max ULP", lambda by: _ulp(by.get("xkern (torch)")))]
-                out += ["", f"**RMSNorm, {dtype}, {PASS_NAMES[pass_]}** (rows × width)", ""]
-                out += _frac_table(sel, RMS_IMPLS, "shape", extra)
+    extra = [("xkern µs", lambda by: f"{by['xkern (torch)']['us']:.1f}" if (by.get("xkern (torch)") or {}).get("us")
+               else ""), ("xkern max ULP", lambda by: _ulp(by.get("xkern (torch)")))]
+    for (op, dtype, pass_), sel in _group_rows(rows, lambda r: (r["op"], r["dtype"], r["pass"])).items():
+        out += ["", f"**{op}, {dtype}, {PASS_NAMES[pass_]}**", ""] + _frac_table(sel, extra)
+    if "routing" in results.get("permute", {}):
+        out += ["", f"Gathers: {results['permute']['routing']}; bytes (N + N_padded)·H·2; shape T×H."]
     out += host_tables(results)
-    gather = [r for r in rows if r["op"] in GATHER_OPS]
-    if gather:
-        out += ["", f"Row gather: {results.get('permute', {}).get('routing', '')}; bytes (N + N_padded)·H·2."]
-    for op in GATHER_OPS:
-        for pass_ in ("fwd", "bwd"):
-            sel = [r for r in gather if r["op"] == op and r["pass"] == pass_]
-            if sel:
-                out += ["", f"**{op}, bf16, {PASS_NAMES[pass_]}** (tokens × hidden)", ""]
-                out += _frac_table(sel, GATHER_IMPLS, "T × H")
     out += sweep_tables([r for r in results["rows"] if r.get("sweep")])
     if results.get("skipped"):
         out += ["", "Not run: " + "; ".join(results["skipped"])]
@@ -261,10 +254,10 @@ def _plt():
     return plt
 
 
-def plot_fractions(results: dict, path: str, panels, impls) -> str | None:
-    """Fraction of the copy ceiling per shape, a line per implementation, a panel per (op, pass)."""
-    rows = [r for r in results["rows"] if not r.get("sweep") and r["dtype"] == "bfloat16"]
-    panels = [(op, p) for op, p in panels if any(r["op"] == op and r["pass"] == p for r in rows)]
+def plot_fractions(results: dict, path: str, ops) -> str | None:
+    """Fraction of the copy ceiling per shape, a line per implementation, a panel per (op, pass), bf16."""
+    rows = [r for r in results["rows"] if not r.get("sweep") and r["dtype"] == "bfloat16" and r["op"] in ops]
+    panels = list(dict.fromkeys((r["op"], r["pass"]) for r in rows))
     if not panels:
         return None
     plt = _plt()
@@ -272,7 +265,7 @@ def plot_fractions(results: dict, path: str, panels, impls) -> str | None:
     for ax, (op, pass_) in zip(axes[0], panels, strict=True):
         sel = [r for r in rows if r["op"] == op and r["pass"] == pass_]
         shapes = list(dict.fromkeys(_shape(r) for r in sel))
-        for impl in [i for i in impls if any(r["impl"] == i and r["frac"] is not None for r in sel)]:
+        for impl in [i for i in _impls(sel) if any(r["impl"] == i and r["frac"] is not None for r in sel)]:
             by = {_shape(r): r["frac"] for r in sel if r["impl"] == impl}
             ys = [by.get(s) if by.get(s) is not None else float("nan") for s in shapes]
             xkern = impl.startswith("xkern")
@@ -345,12 +338,9 @@ def plot_host(results: dict, path: str) -> str | None:
 
 
 def plots(results: dict, out_dir: str, stem: str) -> list[str]:
-    made = [plot_fractions(results, os.path.join(out_dir, f"{stem}-rms_norm.png"),
-                           [("rms_norm", p) for p in PASS_NAMES], RMS_IMPLS),
-            plot_fractions(results, os.path.join(out_dir, f"{stem}-permute.png"),
-                           [(o, p) for o in GATHER_OPS for p in ("fwd", "bwd")], GATHER_IMPLS),
-            plot_sweep(results, os.path.join(out_dir, f"{stem}-widths.png")),
-            plot_host(results, os.path.join(out_dir, f"{stem}-host.png"))]
+    made = [plot_fractions(results, os.path.join(out_dir, f"{stem}-{name}.png"), ops) for name, ops in FIGURES.items()]
+    made += [plot_sweep(results, os.path.join(out_dir, f"{stem}-widths.png")),
+             plot_host(results, os.path.join(out_dir, f"{stem}-host.png"))]
     return [p for p in made if p]
 
 
