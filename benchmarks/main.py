@@ -1,12 +1,18 @@
-"""The main job: xkern against its peers on this machine's GPU, as fractions of the measured copy ceiling.
+"""The main job: xkern checked against the FP64 oracle and timed against its peers on this machine.
 
-    python -m benchmarks.main [--quick] [--only rms_norm|permute] [--out DIR] [--budget-s S]
+    python -m benchmarks.main [--quick | --sweep [--part K/N] | --smoke] [--only OP] [--out DIR] [--budget-s S]
 
-With a CUDA GPU: measures the copy ceiling, runs the RMSNorm and row-gather benchmarks (every xkern result
-checked against the FP64 oracle before it is timed), writes `DIR/<gpu>-<date>.json` (all the data), a
-markdown table and one PNG per op generated from it, refreshes README's benchmarks section, and prints the
-table last. Without a GPU: validates both front ends under Triton's interpreter against the oracle
-(forward and backward, torch == JAX bit for bit) and says that timings need a GPU.
+With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
+step (`benchmarks/host.py`), then every case of every op (`benchmarks/runner.py`: each xkern result checked
+before it is timed). Writes `DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots
+generated from it, refreshes README's benchmarks section, and prints the tables last. `--sweep`: the
+RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
+and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`).
+
+Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
+per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
+path runs through once (`timing.set_smoke`); nothing is written unless `--out` is given. `--smoke`: the
+same at the smallest sizes (CI runs it: tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
@@ -38,8 +44,13 @@ if not GPU:
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
+# Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
+# the host table with the block step (six compiled or eager configurations).
+CASE_S = {"rms_norm": 15.0, "permute_rows": 4.0, "unpermute_rows": 4.0}
+HOST_S = 150.0
 
 
 def log(msg: str) -> None:
@@ -66,113 +77,191 @@ def versions() -> dict:
     return out
 
 
-def _shape(row) -> str:
-    return "x".join(map(str, row["shape"])) + " " + row["dtype"]
+def commit() -> str | None:
+    """This tree's commit (with "+changes" when it has uncommitted ones), where git is there."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "") if head.returncode == 0 else None
+    except OSError:
+        return None
 
 
-def cpu_main(args) -> int:
+def configure_dynamo() -> None:
+    """torch.compile recompiles per shape (dynamic=False): room for every case, and a fallback to eager
+    raises instead of being timed as the compiled peer."""
+    import torch._dynamo.config as cfg
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 4096)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+    if not GPU:  # aot_eager's backward (CPU) donates buffers, which `bwd` (retain_graph=True) may not
+        import torch._functorch.config as functorch_cfg
+
+        functorch_cfg.donated_buffer = False
+
+
+def ops(only):
     from benchmarks import permute, rms_norm
 
-    log("No CUDA GPU here: validating both front ends under Triton's interpreter against the FP64 oracle.")
-    ok = True
-    if args.only in (None, "rms_norm"):
-        ok = rms_norm.validate_cpu(log) and ok
-    if args.only in (None, "permute"):
-        ok = permute.validate_cpu(log) is not False and ok
-    log(f"validation: {'pass' if ok else 'FAIL'}")
-    log("Timings need a CUDA GPU: none here, so no benchmark was run and nothing was written.")
-    return 0 if ok else 1
+    all_ops = [rms_norm.OP, permute.PERMUTE, permute.UNPERMUTE]
+    return [op for op in all_ops if only is None or op.name == only or (only == "permute" and "permute" in op.name)]
 
 
-def gpu_main(args) -> int:
+def plan(args) -> tuple[str, list]:
+    """(mode, [(op, case, timed)]) for the arguments on this machine. Without a GPU the validation cases are
+    checked only, then the smoke cases run every timed path."""
+    if args.sweep:
+        mode = "sweep" if GPU and not args.smoke else "sweep-smoke"
+    else:
+        mode = "smoke" if args.smoke else ("quick" if args.quick else "main") if GPU else "validate"
+    work = [(op, case, mode != "validate") for op in ops(args.only) for case in op.cases(mode)]
+    if mode == "validate":
+        work += [(op, case, True) for op in ops(args.only) for case in op.cases("smoke")]
+    if mode in ("smoke", "validate"):  # the sweep's code too, at its smoke sizes
+        work += [(op, case, True) for op in ops(args.only) for case in op.cases("sweep-smoke")]
+    if args.part:
+        k, n = map(int, args.part.split("/"))
+        work = work[k - 1::n]
+    return mode, work
+
+
+def output_stem(gpu: str, args) -> str:
+    stem = gpu.lower().replace(" ", "-")
+    if args.sweep:
+        stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
+    elif args.quick:
+        stem += "-quick"
+    return stem + (f"-{args.only}" if args.only else "") + ("-smoke" if args.smoke or not GPU else "")
+
+
+def run(args) -> int:
     import torch
 
-    from benchmarks import permute, report, rms_norm, timing
+    from benchmarks import host, report, runner, timing
 
     start = time.time()
-    rms_norm._configure_dynamo()
-    gpu = torch.cuda.get_device_name(0)
+    device = "cuda" if GPU else "cpu"
+    timing.set_smoke(args.smoke or not GPU)
+    configure_dynamo()
+    mode, work = plan(args)
+    gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    stem = "-".join([gpu.lower().replace(" ", "-"), date] + (["quick"] if args.quick else [])
-                    + ([args.only] if args.only else []))
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, stem + ".json")
+    out_dir = args.out or (RESULTS if GPU and not args.smoke else None)
+    json_path = os.path.join(out_dir, output_stem(gpu, args) + ".json") if out_dir else None
     results = {
-        "gpu": gpu, "date": date, "versions": versions(), "quick": args.quick,
+        "gpu": gpu, "date": date, "commit": commit(), "versions": versions(), "mode": mode, "smoke": timing.smoke(),
         "method": {
-            "bytes": "minimum bytes: each input read once, each output written once (see benchmarks/NOTES.md)",
+            "bytes": "minimum bytes: each input read once, each output written once (see docs/benchmarks.md)",
             "torch": "CUDA graph of the pass (one call per rotated input set) replayed under triton do_bench, "
                      f"warmup {timing.WARMUP_MS} ms, rep {timing.REP_MS} ms, median, L2 flushed per replay",
             "jax": "n iterations inside one jitted lax.fori_loop (static trip count), each output fed into the "
                    "next input; host wall time of the call / n, median of several",
             "rotation": f"input sets rotated until they add up to >= {timing.ROTATE_BYTES / 1e6:.0f} MB",
-            "us_eager": "fwd+bwd rows: the same step launched eagerly from Python under do_bench (host "
-                        "overhead of autograd and dispatch included where it exceeds the device time)",
+            "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
-        "rms_norm": {"eps": rms_norm.EPS, "sample_elems": rms_norm.SAMPLE_ELEMS},
-        "permute": {"routing": permute.ROUTING},
-        "ceiling": None, "rows": [], "host_overhead": [], "skipped": [],
+        "rms_norm": {"eps": 1e-6}, "permute": {},
+        "ceiling": None, "rows": [], "host": [], "block": [], "skipped": [],
     }
+    if "permute" in str(args.only) or args.only is None:
+        from benchmarks.permute import ROUTING
+
+        results["permute"]["routing"] = ROUTING
 
     def save():
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
+        if json_path:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(json_path, "w") as f:
+                json.dump(results, f, indent=1)
 
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
-    log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s")
+    log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
+    host_first = not mode.startswith("sweep") and args.only in (None, "rms_norm")
+    est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
+    log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
+        f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
+    if mode.startswith("sweep"):
+        if mode == "sweep-smoke":
+            results["host"] = host.host_table(device, log)
+    elif host_first:
+        results["host"] = host.host_table(device, log)
+        save()
+        results["block"] = host.block_table(device, log)
     save()
 
-    work = []
-    if args.only in (None, "permute"):
-        shapes = permute.QUICK_SHAPES if args.quick else permute.SHAPES
-        work += [(f"permute {t}x{h}", permute.run_shape, (t, h, ceiling, log)) for t, h in shapes]
-    if args.only in (None, "rms_norm"):
-        shapes = [(s, "bfloat16") for s in (rms_norm.QUICK_SHAPES if args.quick else rms_norm.SHAPES)]
-        shapes += [] if args.quick else [(s, "float16") for s in rms_norm.SHAPES_FP16]
-        work += [(f"rms_norm {m}x{n} {dt}", rms_norm.run_shape, (m, n, dt, ceiling, log)) for (m, n), dt in shapes]
-    for name, fn, fn_args in work:
+    for i, (op, case, timed) in enumerate(work):
         if time.time() - start > args.budget_s:
-            results["skipped"].append(f"{name}: over the time budget of {args.budget_s} s")
-            log(f"{name}: skipped, over the time budget")
+            results["skipped"].append(f"{case.label}: over the time budget of {args.budget_s:.0f} s")
+            log(f"{case.label}: skipped, over the time budget")
             continue
         t0 = time.time()
         try:
-            results["rows"] += fn(*fn_args)
-        except Exception as err:  # noqa: BLE001 - one broken shape must not lose the rest
-            results["skipped"].append(f"{name}: {type(err).__name__}: {err}")
-            log(f"{name}: FAILED\n{traceback.format_exc(limit=-6)}")
-        log(f"{name}: {time.time() - t0:.1f} s (total {time.time() - start:.0f} s)")
+            results["rows"] += runner.run_case(op, case, device, ceiling, log, timed=timed)
+        except Exception as err:  # noqa: BLE001 - one broken case must not lose the rest
+            results["skipped"].append(f"{case.label}: {type(err).__name__}: {err}")
+            log(f"{case.label}: FAILED\n{traceback.format_exc(limit=-6)}")
+        if GPU:
+            torch.cuda.empty_cache()
+        spent = time.time() - start
+        log(f"{case.label}: {time.time() - t0:.1f} s (total {spent:.0f} s, "
+            f"about {spent / (i + 1) * (len(work) - i - 1):.0f} s to go)")
         save()
-    if args.only in (None, "rms_norm"):
-        results["host_overhead"] = rms_norm.host_overhead(ceiling)
     results["wall_s"] = time.time() - start
     save()
 
-    md = report.write_all(json_path, readme=os.path.join(ROOT, "README.md"), log=log)
-    problems = {}
-    for r in results["rows"]:
-        if r["status"] != "ok":
-            problems.setdefault((r["impl"], r["status"][:160]), []).append(f"{r['op']} {r['pass']} {_shape(r)}")
-    if problems:
-        log("\nrows without a time:")
-        for (impl, status), where in problems.items():
-            log(f"  {impl}: {status} [{len(where)} rows, e.g. {where[0]}]")
+    if json_path:
+        md = report.write_all(json_path, readme=os.path.join(ROOT, "README.md") if out_dir == RESULTS else None,
+                              log=log)
+    else:
+        md = report.markdown(results, "(not written)", [])
     log("\n" + md)
-    log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
-    wrong = [r for r in results["rows"] if r.get("check", "pass").startswith("fail")]
-    return 1 if wrong else 0
+    if json_path:
+        log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
+    return failures(results, strict=timing.smoke())
+
+
+def failures(results: dict, strict: bool) -> int:
+    """1 when an xkern result is wrong or differs between front ends; with `strict` (CPU and smoke runs,
+    whose job is to catch breakage), also when anything raised."""
+    bad = []
+    for r in results["rows"]:
+        xkern = r["impl"].startswith("xkern")
+        if xkern and (r.get("check", "pass").startswith("fail") or r.get("bitwise_equal_torch") is False):
+            bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r.get('check')}")
+        elif r["status"].startswith("error") and (xkern or strict):
+            bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r['status']}")
+    for r in results["host"] + results["block"]:
+        if strict and r.get("status", "").startswith("error"):
+            bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode'))}: {r['status']}")
+    if strict:
+        bad += results["skipped"]
+    for line in bad:
+        log(f"FAIL {line}")
+    log(f"validation: {'FAIL' if bad else 'pass'}")
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="a few shapes only")
+    group.add_argument("--sweep", action="store_true", help="the RMSNorm width sweep (~12 min on an H200)")
+    parser.add_argument("--smoke", action="store_true", help="every benchmark path at tiny sizes, timings not "
+                        "measured (with --sweep: the sweep's)")
+    parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
     parser.add_argument("--only", choices=("rms_norm", "permute"), help="one op only")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="where results go")
-    parser.add_argument("--budget-s", type=float, default=360.0,
-                        help="start no new shape after this many seconds (results so far are kept)")
+    parser.add_argument("--out", help="where results go (default: benchmarks/results on a GPU, nothing on CPU)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new case after this many seconds (GPU default 420; sweep 3000)")
     args = parser.parse_args(argv)
-    return gpu_main(args) if GPU else cpu_main(args)
+    if args.budget_s is None:  # none without a GPU: the validation there must run whole
+        args.budget_s = (3000.0 if args.sweep else 420.0) if GPU else float("inf")
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import tempfile
 
 import triton
 
-from benchmarks.tune_rms_norm import SHAPES
+from benchmarks.rms_norm import SHAPES
 from xkern import rms_norm as K
 from xkern.compile_check import TARGET, source
 

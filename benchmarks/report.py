@@ -1,10 +1,13 @@
 """Tables and plots generated from a benchmark JSON, and README's benchmarks section.
 
-    python -m benchmarks.report benchmarks/results/<gpu>-<date>.json [--readme README.md] [--no-plots]
+    python -m benchmarks.report benchmarks/results/<gpu>.json [--readme README.md] [--no-plots]
+    python -m benchmarks.report --merge benchmarks/results/<gpu>-sweep.json PART.json PART.json ...
 
-Writes `<json stem>.md` and `<json stem>-<op>.png` beside the JSON and replaces README's text between
-`<!-- section: benchmarks -->` and `<!-- /section: benchmarks -->`. Plots need matplotlib (Agg); without
-it the tables are still written.
+Writes `<stem>.md` (every table) and `<stem>-<figure>.png` beside the JSON. For the main JSON it also
+replaces README's text between `<!-- section: benchmarks -->` and `<!-- /section: benchmarks -->` with
+the summary: one plot, one table, the host cost and the sweep's worst ratios (from `<stem>-sweep.json`
+when it is there). `--merge` joins the sweep's parts (`main --sweep --part K/N`) into one JSON. Plots need
+matplotlib (Agg); without it the tables are still written.
 """
 
 from __future__ import annotations
@@ -15,16 +18,12 @@ import os
 
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RMS_IMPLS = ["xkern (torch)", "xkern (jax)", "HF eager", "F.rms_norm", "torch.compile", "Liger", "quack",
-             "jax.jit (XLA)"]
-GATHER_IMPLS = ["xkern (torch)", "xkern (jax)", "previous (vstack + index)", "previous (zeros + index_put)",
-                "index_select", "jnp.take + mask", "jnp.take"]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
+FIGURES = {"rms_norm": ("rms_norm",), "permute": ("permute_rows", "unpermute_rows")}  # PNG -> its ops
 
 
 def _shape(row) -> str:
-    m, n = row["shape"]
-    return f"{m}×{n}"
+    return "×".join(map(str, row["shape"]))
 
 
 def _cell(row) -> str:
@@ -32,9 +31,7 @@ def _cell(row) -> str:
         return ""
     if row["status"].startswith("wrong"):
         return "wrong"
-    if row["frac"] is None:
-        return "–"
-    return f"{row['frac']:.2f}"
+    return "–" if row["frac"] is None else f"{row['frac']:.2f}"
 
 
 def _ulp(row) -> str:
@@ -42,27 +39,57 @@ def _ulp(row) -> str:
     return " / ".join(f"{k} {v['max_ulp']}" for k, v in ulp.items()) if ulp else ""
 
 
-def _table(rows, impls, first_col, extra=None) -> list[str]:
-    """One markdown table: a line per shape (in the order first met), a column per implementation present,
-    the best fraction of a line in bold; `extra` adds (title, fn(rows of the shape)) columns."""
-    shapes = list(dict.fromkeys(_shape(r) for r in rows))
-    present = [i for i in impls if any(r["impl"] == i for r in rows)]
-    present += sorted({r["impl"] for r in rows} - set(present))
-    extra = extra or []
-    lines = ["| " + " | ".join([first_col] + present + [title for title, _ in extra]) + " |",
-             "|" + "---|" * (1 + len(present) + len(extra))]
-    for shape in shapes:
-        by_impl = {r["impl"]: r for r in rows if _shape(r) == shape}
-        fracs = [r["frac"] for r in by_impl.values() if r["frac"] is not None]
-        best = max(fracs) if fracs else None
-        cells = []
-        for impl in present:
-            cell = _cell(by_impl.get(impl))
-            row = by_impl.get(impl)
-            cells.append(f"**{cell}**" if row and row["frac"] is not None and row["frac"] == best else cell)
-        cells += [fn(by_impl) for _, fn in extra]
-        lines.append("| " + " | ".join([shape] + cells) + " |")
-    return lines
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(c) + " |"
+                                                                             for c in lines]
+
+
+def _group_rows(rows, key) -> dict:
+    """key(row) -> [rows], in the order first met."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def _group(rows, key) -> dict:
+    """key(row) -> {impl: row}, in the order first met."""
+    return {k: {r["impl"]: r for r in group} for k, group in _group_rows(rows, key).items()}
+
+
+def _impls(rows) -> list[str]:
+    """The implementations in `rows`: xkern's first, then the peers in the order met."""
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    return sorted(names, key=lambda name: not name.startswith("xkern"))
+
+
+def _frac_table(rows, extra=()) -> list[str]:
+    """A line per shape, a column per implementation, the best fraction of a line in bold; `extra`:
+    (title, fn({impl: row})) columns."""
+    present = _impls(rows)
+    lines = []
+    for (shape, _), by in _group(rows, lambda r: (_shape(r), r["dtype"])).items():
+        best = max((r["frac"] for r in by.values() if r["frac"] is not None), default=None)
+        cells = [f"**{_cell(by.get(i))}**" if by.get(i) and by[i]["frac"] is not None and by[i]["frac"] == best
+                 else _cell(by.get(i)) for i in present]
+        lines.append([shape] + cells + [fn(by) for _, fn in extra])
+    return _table(["shape"] + present + [title for title, _ in extra], lines)
+
+
+def ratios(rows) -> list[dict]:
+    """Per (op, pass, dtype, shape): xkern (torch) over the best peer (device time), and JAX over torch."""
+    out = []
+    for (op, pass_, dtype, shape), by in _group(rows, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
+        xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
+        peers = [(r["frac"], name) for name, r in by.items() if not name.startswith("xkern") and r["frac"]]
+        if not xk or not xk["frac"]:
+            continue
+        best, peer = max(peers) if peers else (None, None)
+        out.append({"op": op, "pass": pass_, "dtype": dtype, "shape": shape, "width": int(shape.split("×")[-1]),
+                    "xkern": xk["frac"], "best_peer": peer, "peer_frac": best,
+                    "ratio": xk["frac"] / best if best else None,
+                    "jax_ratio": xj["frac"] / xk["frac"] if xj and xj["frac"] else None})
+    return out
 
 
 def _versions(v: dict) -> str:
@@ -71,104 +98,253 @@ def _versions(v: dict) -> str:
     return ", ".join(f"{label} {v[key]}" for key, label in names if v.get(key))
 
 
-def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
-    rows = results["rows"]
-    ceiling = results["ceiling"]
-    out = [f"Measured on **{results['gpu']}**, {results['date']} ({_versions(results['versions'])}). "
-           f"Copy ceiling **{ceiling['gbps']:.0f} GB/s** (device-to-device copy of "
-           f"{ceiling['bytes'] / 2 / 2**30:g} GiB, bytes read + written).",
-           "",
-           "Each cell is the achieved bandwidth over the minimum bytes (each input read once, each output "
-           "written once) as a fraction of that ceiling; the best of a line in bold; `wrong`: failed the "
-           "FP64-oracle check, so not timed; `–`: not available or failed (the JSON says why). Device time: "
-           "torch in CUDA graphs under `do_bench` (median), JAX inside one jitted `fori_loop`. "
-           f"Data: [`{json_rel}`]({json_rel}); method: [`benchmarks/NOTES.md`](benchmarks/NOTES.md); "
-           f"regenerate with `python -m benchmarks.report {json_rel}`.", ""]
-    out += [f"![{os.path.basename(p)}]({p})" for p in plots_rel]
-    rms = [r for r in rows if r["op"] == "rms_norm"]
-    for dtype in dict.fromkeys(r["dtype"] for r in rms):
-        for pass_ in ("fwd", "bwd", "fwd+bwd"):
-            sel = [r for r in rms if r["dtype"] == dtype and r["pass"] == pass_]
-            if not sel:
-                continue
-            extra = [("xkern µs", lambda by: f"{by['xkern (torch)']['us']:.1f}"
-                      if by.get("xkern (torch)", {}).get("us") else ""),
-                     ("xkern max ULP", lambda by: _ulp(by.get("xkern (torch)")))]
-            out += ["", f"**RMSNorm, {dtype}, {PASS_NAMES[pass_]}** (rows × width)", ""]
-            out += _table(sel, RMS_IMPLS, "shape", extra)
-    eager = [r for r in rms if r["pass"] == "fwd+bwd" and r.get("us_eager")]
-    if eager:
-        out += ["", "**RMSNorm forward + backward launched eagerly from Python**: µs per step, host overhead "
-                "(autograd, dispatch) included where it exceeds the device time", ""]
-        shapes = list(dict.fromkeys((_shape(r), r["dtype"]) for r in eager))
-        impls = [i for i in RMS_IMPLS if any(r["impl"] == i for r in eager)]
-        out += ["| shape | " + " | ".join(impls) + " |", "|" + "---|" * (1 + len(impls))]
-        for shape, dtype in shapes:
-            by = {r["impl"]: r for r in eager if _shape(r) == shape and r["dtype"] == dtype}
-            out.append(f"| {shape} {dtype} | " + " | ".join(f"{by[i]['us_eager']:.0f}" if i in by else ""
-                                                           for i in impls) + " |")
-    host = [h for h in results.get("host_overhead", []) if "wall_us" in h]
+def _header(results) -> str:
+    c = results["ceiling"]
+    source = f" Commit {results['commit']}." if results.get("commit") else ""
+    source += f" {results['sources']}" if results.get("sources") else ""
+    return (f"Measured on **{results['gpu']}**, {results['date']} ({_versions(results['versions'])}). Copy ceiling "
+            f"**{c['gbps']:.0f} GB/s** (device-to-device copy, bytes read + written).{source}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every table (the .md beside the JSON)
+
+
+def host_tables(results) -> list[str]:
+    out = []
+    host = [h for h in results.get("host", []) if "wall_us" in h]
     if host:
-        out += ["", f"**Host overhead per call** at {_shape(host[0])} bf16: wall-clock per call of a tight loop "
-                "minus device time", "", "| front end | pass | wall µs/call | device µs | host µs |",
-                "|---|---|---|---|---|"]
-        out += [f"| {h['impl']} | {h['pass']} | {h['wall_us']:.1f} | {h['device_us']:.1f} | {h['host_us']:.1f} |"
-                for h in host]
-    gather = [r for r in rows if r["op"] in ("permute_rows", "unpermute_rows")]
-    if gather:
-        out += ["", f"Row gather: {results.get('permute', {}).get('routing', '')}; bytes (N + N_padded)·H·2."]
-    for op in ("permute_rows", "unpermute_rows"):
-        for pass_ in ("fwd", "bwd"):
-            sel = [r for r in gather if r["op"] == op and r["pass"] == pass_]
-            if sel:
-                out += ["", f"**{op}, bf16, {PASS_NAMES[pass_]}** (tokens × hidden)", ""]
-                out += _table(sel, GATHER_IMPLS, "T × H")
+        out += ["", "**Host cost per call** (eager tight loop, one synchronize at the end; wall µs per call, the "
+                "device time of the call in a CUDA graph beside it). The floor of this host: an empty custom op, an "
+                "empty Triton launch, and `torch.autograd.grad` through a native op (F.rms_norm's forward + "
+                "backward).", ""]
+        lines = []
+        for (op, pass_), by in _group(host, lambda h: (h["op"], h["pass"])).items():
+            if op == "floor":
+                lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", ""] for impl, h in by.items()]
+                continue
+            xk = by.pop("xkern (torch)", None)
+            lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
+                          f"{xk['wall_us']:.1f}" if xk else "",
+                          f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",
+                          ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
+        out += _table(["call", "xkern wall µs", "xkern device µs", "peers: wall µs"], lines)
+    block = [b for b in results.get("block", []) if "wall_us" in b]
+    if block:
+        cfg = block[0]["config"]
+        out += ["", f"**Llama-style block, forward + backward** (`torch.autograd.grad`; batch {cfg['batch']}, seq "
+                f"{cfg['seq']}, dim {cfg['dim']}, {cfg['heads']} heads, MLP {cfg['hidden']}, bf16): µs per step", ""]
+        out += _table(["mode", "norm", "wall µs", "issue µs", "device µs"],
+                      [[b["mode"], b["norm"], f"{b['wall_us']:.0f}", f"{b['issue_us']:.0f}",
+                        f"{b['device_us']:.0f}" if b.get("device_us") is not None else ""] for b in block])
+    return out
+
+
+def sweep_tables(rows) -> list[str]:
+    out = []
+    rs = ratios(rows)
+    for dtype in dict.fromkeys(r["dtype"] for r in rs):
+        sel = [r for r in rs if r["dtype"] == dtype]
+        widths = sorted({r["width"] for r in sel})
+        passes = [p for p in PASS_NAMES if any(r["pass"] == p for r in sel)]
+        by = {(r["width"], r["pass"]): r for r in sel}
+        out += ["", f"**RMSNorm width sweep, {dtype}**: xkern (torch) / best peer (device time), best peer named; "
+                "JAX / torch", ""]
+        lines = []
+        for w in widths:
+            cells = [str(w), by[(w, passes[0])]["shape"] if (w, passes[0]) in by else ""]
+            for p in passes:
+                r = by.get((w, p))
+                cells.append(f"{r['ratio']:.2f} ({r['best_peer']})" if r and r["ratio"] else "")
+            cells += [f"{by[(w, p)]['jax_ratio']:.2f}" if by.get((w, p)) and by[(w, p)]["jax_ratio"] else ""
+                      for p in passes]
+            lines.append(cells)
+        out += _table(["width", "rows × width"] + [PASS_NAMES[p] for p in passes]
+                      + [f"JAX/torch {p}" for p in passes], lines)
+    return out
+
+
+def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
+    rows = [r for r in results["rows"] if not r.get("sweep")]
+    out = [_header(results), "",
+           "Each cell: achieved bandwidth over the minimum bytes as a fraction of the copy ceiling; the best of "
+           "a line in bold; `wrong`: failed the oracle check, so not timed; `–`: not available or failed (the "
+           f"JSON says why). Data: `{json_rel}`; method: `docs/benchmarks.md`.", ""]
+    if results.get("smoke"):
+        out += ["**Smoke run: the code paths ran, nothing here is a measurement.**", ""]
+    out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots_rel]
+    extra = [("xkern µs", lambda by: f"{by['xkern (torch)']['us']:.1f}" if (by.get("xkern (torch)") or {}).get("us")
+               else ""), ("xkern max ULP", lambda by: _ulp(by.get("xkern (torch)")))]
+    for (op, dtype, pass_), sel in _group_rows(rows, lambda r: (r["op"], r["dtype"], r["pass"])).items():
+        out += ["", f"**{op}, {dtype}, {PASS_NAMES[pass_]}**", ""] + _frac_table(sel, extra)
+    if "routing" in results.get("permute", {}):
+        out += ["", f"Gathers: {results['permute']['routing']}; bytes (N + N_padded)·H·2; shape T×H."]
+    out += host_tables(results)
+    out += sweep_tables([r for r in results["rows"] if r.get("sweep")])
     if results.get("skipped"):
         out += ["", "Not run: " + "; ".join(results["skipped"])]
     return "\n".join(out) + "\n"
 
 
-def plot(results: dict, out_dir: str, stem: str) -> list[str]:
-    """One PNG per op: fraction of the copy ceiling per shape, a line per implementation."""
+# ---------------------------------------------------------------------------------------------------
+# README's summary
+
+
+def _worst(rs, key="ratio"):
+    vals = [r for r in rs if r.get(key) is not None]
+    return min(vals, key=lambda r: r[key]) if vals else None
+
+
+def summary(results: dict, sweep: dict | None, rel: str, plot_rel: str | None) -> str:
+    """README's benchmarks section: one plot, one table, the host cost, the sweep's worst ratios."""
+    rows = [r for r in results["rows"] if not r.get("sweep")]
+    rs = ratios(rows)
+    out = [_header(results), ""]
+    if plot_rel:
+        out += [f"![RMSNorm on {results['gpu']}]({plot_rel})", ""]
+    out += ["Device time (torch in CUDA graphs, JAX in one jitted loop), as a fraction of the copy ceiling over "
+            "the minimum bytes, across the benchmark's shapes; ratio: xkern (torch) over the best peer at the "
+            "same shape (≥ 1: xkern is at least as fast).", ""]
+    lines = []
+    for key in dict.fromkeys((r["op"], r["pass"], r["dtype"]) for r in rs):
+        sel = [r for r in rs if (r["op"], r["pass"], r["dtype"]) == key]
+        xk = [r["xkern"] for r in sel]
+        worst, jax_worst = _worst(sel), _worst(sel, "jax_ratio")
+        lines.append([f"{key[0]} {PASS_NAMES[key[1]]}", key[2], f"{min(xk):.2f}–{max(xk):.2f}",
+                      f"{worst['ratio']:.2f} at {worst['shape']} ({worst['best_peer']})" if worst else "",
+                      f"{jax_worst['jax_ratio']:.2f} at {jax_worst['shape']}" if jax_worst else ""])
+    out += _table(["op, pass", "dtype", "xkern (torch)", "worst ratio to best peer", "worst JAX / torch"], lines)
+    host = {(h["op"], h["pass"], h["impl"]): h["wall_us"] for h in results.get("host", []) if "wall_us" in h}
+    if host:
+        cells = [f"{op} {p}: {us:.0f}" for (op, p, impl), us in host.items() if impl == "xkern (torch)"]
+        peers = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "rms_norm" and p == "fwd"
+                 and impl != "xkern (torch)"]
+        floor = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "floor"]
+        out += ["", f"Host µs per call (eager loop; peers and the block step in the full tables): xkern "
+                f"{'; '.join(cells)}. RMSNorm forward peers: {', '.join(peers)}. Floor: {', '.join(floor)}."]
+    if sweep:
+        srs = ratios(sweep["rows"])
+        lines = []
+        for key in dict.fromkeys((r["pass"], r["dtype"]) for r in srs):
+            sel = [r for r in srs if (r["pass"], r["dtype"]) == key]
+            w, j = _worst(sel), _worst(sel, "jax_ratio")
+            lines.append([PASS_NAMES[key[0]], key[1], str(len(sel)),
+                          f"**{w['ratio']:.2f}** at {w['width']} ({w['best_peer']})" if w else "",
+                          f"{j['jax_ratio']:.2f} at {j['width']}" if j else ""])
+        out += ["", f"Width sweep ({sweep['date']}; widths 64 to 65536, x of 2^26 elements; plot and table per "
+                f"width: [`{rel}-sweep.md`]({rel}-sweep.md)):", ""]
+        out += _table(["pass", "dtype", "widths", "worst xkern / best peer", "worst JAX / torch"], lines)
+    else:
+        out += ["", "Width sweep: not measured yet (`python -m benchmarks.main --sweep`)."]
+    out += ["", f"Every table: [`{rel}.md`]({rel}.md); data: [`{rel}.json`]({rel}.json); how it is measured: "
+            "[`docs/benchmarks.md`](docs/benchmarks.md)."]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    groups = {"rms_norm": ([("rms_norm", p) for p in ("fwd", "bwd", "fwd+bwd")], RMS_IMPLS, "bfloat16"),
-              "permute": ([(o, p) for o in ("permute_rows", "unpermute_rows") for p in ("fwd", "bwd")],
-                          GATHER_IMPLS, "bfloat16")}
-    for name, (panels, impls, dtype) in groups.items():
-        panels = [(op, p) for op, p in panels
-                  if any(r["op"] == op and r["pass"] == p and r["dtype"] == dtype for r in results["rows"])]
-        if not panels:
-            continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
-        for ax, (op, pass_) in zip(axes[0], panels, strict=True):
-            sel = [r for r in results["rows"] if r["op"] == op and r["pass"] == pass_ and r["dtype"] == dtype]
-            shapes = list(dict.fromkeys(_shape(r) for r in sel))
-            for impl in [i for i in impls if any(r["impl"] == i and r["frac"] is not None for r in sel)]:
-                by = {_shape(r): r["frac"] for r in sel if r["impl"] == impl}
-                ys = [by.get(s) if by.get(s) is not None else float("nan") for s in shapes]
-                style = "-o" if impl.startswith("xkern") else "--."
-                ax.plot(range(len(shapes)), ys, style, label=impl, linewidth=2 if impl.startswith("xkern") else 1)
-            ax.axhline(1.0, color="grey", linewidth=0.8)
-            ax.set_xticks(range(len(shapes)))
-            ax.set_xticklabels(shapes, rotation=45, ha="right", fontsize=8)
-            ax.set_ylim(0, 1.05)
-            ax.set_title(f"{op} {PASS_NAMES[pass_]}, {dtype}", fontsize=10)
-            ax.set_ylabel("fraction of copy bandwidth")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7, loc="lower right")
-        fig.suptitle(f"{results['gpu']}, {results['date']}: copy ceiling {results['ceiling']['gbps']:.0f} GB/s",
-                     fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-{name}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return plt
+
+
+def plot_fractions(results: dict, path: str, ops) -> str | None:
+    """Fraction of the copy ceiling per shape, a line per implementation, a panel per (op, pass), bf16."""
+    rows = [r for r in results["rows"] if not r.get("sweep") and r["dtype"] == "bfloat16" and r["op"] in ops]
+    panels = list(dict.fromkeys((r["op"], r["pass"]) for r in rows))
+    if not panels:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
+    for ax, (op, pass_) in zip(axes[0], panels, strict=True):
+        sel = [r for r in rows if r["op"] == op and r["pass"] == pass_]
+        shapes = list(dict.fromkeys(_shape(r) for r in sel))
+        for impl in [i for i in _impls(sel) if any(r["impl"] == i and r["frac"] is not None for r in sel)]:
+            by = {_shape(r): r["frac"] for r in sel if r["impl"] == impl}
+            ys = [by.get(s) if by.get(s) is not None else float("nan") for s in shapes]
+            xkern = impl.startswith("xkern")
+            ax.plot(range(len(shapes)), ys, "-o" if xkern else "--.", label=impl, linewidth=2 if xkern else 1)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes, rotation=45, ha="right", fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{op} {PASS_NAMES[pass_]}, bfloat16", fontsize=10)
+        ax.set_ylabel("fraction of copy bandwidth")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{results['gpu']}, {results['date']}: copy ceiling {results['ceiling']['gbps']:.0f} GB/s",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(results: dict, path: str) -> str | None:
+    """xkern (torch) over the best peer against width (log scale), a line per pass and dtype; JAX/torch."""
+    rs = ratios([r for r in results["rows"] if r.get("sweep")])
+    if not rs:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), squeeze=False)
+    for ax, key, title in ((axes[0][0], "ratio", "xkern (torch) / best peer"),
+                           (axes[0][1], "jax_ratio", "xkern JAX / xkern torch")):
+        for pass_, dtype in dict.fromkeys((r["pass"], r["dtype"]) for r in rs):
+            sel = sorted((r for r in rs if (r["pass"], r["dtype"]) == (pass_, dtype) and r[key]),
+                         key=lambda r: r["width"])
+            ax.plot([r["width"] for r in sel], [r[key] for r in sel], "-o" if dtype == "bfloat16" else ":x",
+                    markersize=3, label=f"{PASS_NAMES[pass_]} {dtype}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("width")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"RMSNorm width sweep, {results['gpu']}, {results['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_host(results: dict, path: str) -> str | None:
+    """Wall µs per call of every entry of the host table, grouped by op and pass."""
+    host = [h for h in results.get("host", []) if "wall_us" in h]
+    if not host:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(host) + 1.2))
+    labels = [f"{h['op']} {h['pass']}: {h['impl']}" for h in host]
+    colors = ["tab:blue" if h["impl"].startswith("xkern") else "tab:grey" if h["op"] == "floor" else "tab:orange"
+              for h in host]
+    ax.barh(range(len(host)), [h["wall_us"] for h in host], color=colors)
+    ax.set_yticks(range(len(host)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("wall µs per call (eager loop)")
+    ax.set_title(f"Host cost per call, {results['gpu']}, {results['date']}", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plots(results: dict, out_dir: str, stem: str) -> list[str]:
+    made = [plot_fractions(results, os.path.join(out_dir, f"{stem}-{name}.png"), ops) for name, ops in FIGURES.items()]
+    made += [plot_sweep(results, os.path.join(out_dir, f"{stem}-widths.png")),
+             plot_host(results, os.path.join(out_dir, f"{stem}-host.png"))]
+    return [p for p in made if p]
+
+
+# ---------------------------------------------------------------------------------------------------
 
 
 def update_readme(readme: str, body: str) -> bool:
@@ -183,36 +359,67 @@ def update_readme(readme: str, body: str) -> bool:
     return True
 
 
-def write_all(json_path: str, readme: str | None, plots: bool = True, log=print) -> str:
-    """Plots and the markdown table beside the JSON, README's section refreshed; returns the markdown."""
+def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) -> str:
+    """Plots and every table beside the JSON; README's summary refreshed (main JSONs); returns the tables."""
     with open(json_path) as f:
         results = json.load(f)
     out_dir = os.path.dirname(os.path.abspath(json_path))
     stem = os.path.splitext(os.path.basename(json_path))[0]
     paths = []
-    if plots:
+    if draw:
         try:
-            paths = plot(results, out_dir, stem)
+            paths = plots(results, out_dir, stem)
         except ImportError as err:
             log(f"plots: not drawn ({err}); run `python -m benchmarks.report {json_path}` where matplotlib is")
-    base = os.path.dirname(os.path.abspath(readme)) if readme else ROOT
-    md = markdown(results, os.path.relpath(os.path.abspath(json_path), base),
-                  [os.path.relpath(p, base) for p in paths])
+    md = markdown(results, os.path.basename(json_path), paths)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(md)
-    if readme and not update_readme(readme, md):
-        log(f"{readme}: no benchmarks section markers, not updated")
+    if readme and results.get("mode", "main") == "main":  # README quotes the main run (and its sweep)
+        sweep_path = os.path.join(out_dir, stem + "-sweep.json")
+        sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else None
+        base = os.path.dirname(os.path.abspath(readme))
+        rel = os.path.relpath(os.path.join(out_dir, stem), base)
+        plot_rel = next((os.path.relpath(p, base) for p in paths if p.endswith("-rms_norm.png")), None)
+        if plot_rel is None and os.path.exists(os.path.join(out_dir, f"{stem}-rms_norm.png")):
+            plot_rel = rel + "-rms_norm.png"
+        if not update_readme(readme, summary(results, sweep, rel, plot_rel)):
+            log(f"{readme}: no benchmarks section markers, not updated")
     return md
+
+
+def merge(out_path: str, parts: list[str]) -> None:
+    """One sweep JSON from its parts: the first part's header, every part's rows and notes."""
+    merged = None
+    for part in parts:
+        with open(part) as f:
+            res = json.load(f)
+        if merged is None:
+            merged = res
+        else:
+            merged["rows"] += res["rows"]
+            merged["skipped"] += res.get("skipped", [])
+            merged["wall_s"] = merged.get("wall_s", 0) + res.get("wall_s", 0)
+    merged["parts"] = [os.path.basename(p) for p in parts]
+    with open(out_path, "w") as f:
+        json.dump(merged, f, indent=1)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Tables, plots and README section from a benchmark JSON")
     parser.add_argument("json_path")
+    parser.add_argument("parts", nargs="*", help="with --merge: the sweep's part JSONs")
+    parser.add_argument("--merge", action="store_true", help="write json_path from the parts first")
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    write_all(args.json_path, args.readme, plots=not args.no_plots)
-    print(f"updated {args.readme} from {args.json_path}")
+    if args.merge:
+        merge(args.json_path, args.parts)
+    write_all(args.json_path, args.readme, draw=not args.no_plots)
+    if args.json_path.endswith("-sweep.json"):  # the main JSON's README summary quotes the sweep
+        main_json = args.json_path[: -len("-sweep.json")] + ".json"
+        if os.path.exists(main_json):
+            write_all(main_json, args.readme, draw=not args.no_plots)
+    print(f"wrote the tables and plots of {args.json_path}; README: {args.readme}")
     return 0
 
 

@@ -1,5 +1,9 @@
 """How the benchmarks time things: the copy ceiling, device time of torch work, device time of JAX work,
-and host overhead per call. GPU only; nothing here runs on the CPU path.
+and host overhead per call.
+
+Smoke mode (`set_smoke(True)`; always without a CUDA GPU) runs every timed path through the same code a
+few times, marked as not a measurement: on CPU each call runs once (no CUDA graphs), on a GPU the graphs
+are captured and replayed under a short do_bench.
 
 - torch: the calls of one pass (one per rotated input set) are captured in one CUDA graph, and the graph's
   replays are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median).
@@ -30,31 +34,61 @@ ROTATE_BYTES = 4 * L2_BYTES    # rotated input sets of a small shape add up to a
 MAX_SETS = 16
 JAX_TARGET_MS = 50             # one timed JAX call runs about this long
 JAX_REPEATS = 5
+SMOKE_NOTE = "smoke: run through once, not a measurement"
+_smoke = False
+
+
+def set_smoke(on: bool) -> None:
+    global _smoke
+    _smoke = on
+
+
+def smoke() -> bool:
+    return _smoke
 
 
 def n_sets(bytes_per_call: int) -> int:
     """How many input sets to rotate among so that a call's inputs are not left in L2 by the last one."""
+    if _smoke:
+        return min(2, MAX_SETS)
     return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / max(1, bytes_per_call))))
 
 
-def do_bench_us(fn) -> float:
+def do_bench_us(fn, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS) -> float:
+    """Median device time of `fn` in µs (triton's do_bench: CUDA events, L2 flushed before each call)."""
+    import torch
+
+    if _smoke and not torch.cuda.is_available():
+        return _wall_us(fn)
+    if _smoke:
+        warmup_ms, rep_ms = 1, 3
     from triton.testing import do_bench
 
-    return 1e3 * do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _wall_us(fn, n: int = 2) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1e6 * (time.perf_counter() - start) / n
 
 
 def copy_ceiling(nbytes: int = 2**31) -> dict:
     """Device-to-device copy of `nbytes` (random bytes): GB/s counting bytes read plus bytes written."""
     import torch
 
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    if _smoke:
+        nbytes = 2**20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
     dst = torch.empty_like(src)
     copy = functools.partial(dst.copy_, src)
     us = do_bench_us(copy)
     del copy, src, dst
     torch.cuda.empty_cache()
     return {"bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3,
-            "method": f"torch copy_ of {nbytes / 2**30:g} GiB uint8, do_bench median, read + write bytes"}
+            "method": SMOKE_NOTE if _smoke else f"torch copy_ of {nbytes / 2**30:g} GiB uint8, do_bench median, "
+            "read + write bytes"}
 
 
 def _short(err: BaseException) -> str:
@@ -66,6 +100,9 @@ def torch_device_us(make_calls) -> tuple[float, str]:
     autograd replays on that stream) and returns one zero-argument callable per input set."""
     import torch
 
+    if _smoke and not torch.cuda.is_available():
+        calls = make_calls()
+        return _wall_us(lambda: [call() for call in calls], 1) / len(calls), SMOKE_NOTE
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -103,37 +140,43 @@ def jax_device_us(step, consts, state, est_us_per_iter: float) -> tuple[float, s
     program as constants. `state` is donated; pass fresh copies."""
     import jax
 
-    n = 2 * max(1, min(50_000, round(JAX_TARGET_MS * 1e3 / max(est_us_per_iter, 1.0) / 2)))
+    n = 2 if _smoke else 2 * max(1, min(50_000, round(JAX_TARGET_MS * 1e3 / max(est_us_per_iter, 1.0) / 2)))
+    repeats = 1 if _smoke else JAX_REPEATS
 
     # Two steps per loop iteration: with one, an out-of-place custom call (a Triton kernel) cannot write
-    # the loop carry's buffer (its input is still live there), so XLA adds a copy of the whole state
-    # every iteration (seen in the compiled HLO on CPU; the suspected cause of xkern's JAX RMSNorm timing
-    # at half of torch's rate on 2026-12-03). With two, the second step writes where the first one read.
+    # the loop carry's buffer (its input is still live there), so XLA adds a copy of the whole state every
+    # iteration (seen in the compiled HLO). With two, the second step writes where the first one read.
     def _loop(consts, state):
         return jax.lax.fori_loop(0, n // 2, lambda i, s: step(consts, step(consts, s)), state)
 
     loop = jax.jit(_loop, donate_argnums=1)
     state = jax.block_until_ready(loop(consts, state))  # compile and warm
     times = []
-    for _ in range(JAX_REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         state = jax.block_until_ready(loop(consts, state))
         times.append(time.perf_counter() - start)
     del state
+    if _smoke:
+        return 1e6 * times[0] / n, SMOKE_NOTE
     return 1e6 * statistics.median(times) / n, f"jit(fori_loop) of {n} calls, two per iteration, host wall / calls, " \
-        f"median of {JAX_REPEATS}"
+        f"median of {repeats}"
 
 
-def host_us_per_call(call, sync, n: int = 2000) -> float:
-    """Wall-clock time per call of a tight Python loop of `n` calls (synchronized once at the end)."""
-    for _ in range(20):
+def host_us_per_call(call, sync, n: int = 2000) -> tuple[float, float]:
+    """(wall, issue) µs per call of a tight Python loop of `n` calls synchronized once at the end: wall
+    counts the final synchronize, issue stops before it (the host's own time while the device keeps up)."""
+    n = 2 if _smoke else n
+    for _ in range(2 if _smoke else 20):
         out = call()
     sync(out)
     start = time.perf_counter()
     for _ in range(n):
         out = call()
+    issued = time.perf_counter()
     sync(out)
-    return 1e6 * (time.perf_counter() - start) / n
+    end = time.perf_counter()
+    return 1e6 * (end - start) / n, 1e6 * (issued - start) / n
 
 
 def error_status(err: BaseException) -> str:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.tune_rms_norm [--passes fwd,bwd,cols,reduce] [--out results.json]
 
-Times each candidate with `triton.testing.do_bench` (median, L2 flushed before each call) and prints the
+Times each candidate with `timing.do_bench_us` (median, L2 flushed before each call) and prints the
 fraction of the copy ceiling over the minimum bytes, the current plan's figure beside the best. Candidates
 are compiled first in parallel worker processes (Triton's disk cache), so the sweep itself only times.
 
@@ -25,36 +25,19 @@ import sys
 import time
 
 import torch
-import triton
 
-from torch_api._launch import launch as launch_plan
+from benchmarks import timing
+from benchmarks.rms_norm import EPS, SHAPES
 from xkern import rms_norm as K
 from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.testing import launch as launch_plan
 
-SHAPES = [
-    (262144, 128),
-    (32768, 128),
-    (262144, 64),
-    (65536, 256),
-    (8192, 2048),
-    (32768, 4096),
-    (8192, 8192),
-    (4096, 16384),
-    (2048, 32768),
-    (1024, 65536),
-]
-EPS = 1e-6
 DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3
-
-
-def copy_ceiling() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / bench(lambda: b.copy_(a)) / 1e9
+    """Seconds: a shorter do_bench than the benchmark's (thousands of candidates)."""
+    return timing.do_bench_us(fn, warmup_ms=5, rep_ms=25) * 1e-6
 
 
 def _fixed(n, eps=True):
@@ -66,28 +49,15 @@ def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
     if n >= 32768:
-        out += [
-            Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
-            for c in (4096, 8192, 16384)
-            for w in (8, 16, 32)
-            for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
-            if 8 <= c // (32 * w) <= 32
-        ]
+        out += [Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
+                for c in (4096, 8192, 16384) for w in (8, 16, 32) for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
+                if 8 <= c // (32 * w) <= 32]
     if bn > 256:
-        out += [
-            Launch(K._rms_norm_fwd_row_kernel, (m,), w, {**_fixed(n), "BLOCK_N": bn, "RELOAD": reload})
-            for w in (1, 2, 4, 8, 16, 32)
-            for reload in (False, True)
-            if 8 <= bn // (32 * w) <= 64
-        ]
-    for bm in (1, 2, 4, 8, 16, 32, 64):
-        if bm * bn > 32768 or bm * bn < 512 or bn > 256:
-            continue
-        for w in (1, 2, 4, 8, 16, 32):
-            if 8 <= bm * bn // (32 * w) <= 32:
-                out.append(
-                    Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
-                )
+        out += [Launch(K._rms_norm_fwd_row_kernel, (m,), w, {**_fixed(n), "BLOCK_N": bn, "RELOAD": reload})
+                for w in (1, 2, 4, 8, 16, 32) for reload in (False, True) if 8 <= bn // (32 * w) <= 64]
+    out += [Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
+            for bm in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16, 32)
+            if 512 <= bm * bn <= 32768 and bn <= 256 and 8 <= bm * bn // (32 * w) <= 32]
     return out
 
 
@@ -102,15 +72,9 @@ def bwd_candidates(m, n):
                 continue
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
-                out += [
-                    Launch(
-                        K._rms_norm_bwd_kernel,
-                        (min(tiles, NUM_SMS * ppsm), 1),
-                        w,
-                        {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch},
-                    )
-                    for prefetch in (True, False)
-                ]
+                out += [Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
+                               {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch})
+                        for prefetch in (True, False)]
                 if tiles <= NUM_SMS * ppsm:
                     break
     if bn >= 4096:  # the row kernel (rows read twice)
@@ -120,12 +84,8 @@ def bwd_candidates(m, n):
 
 
 def stats_candidates(m, n):
-    return [
-        Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
-        for c in (2048, 4096, 8192)
-        for w in (4, 8, 16)
-        if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)
-    ]
+    return [Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
+            for c in (2048, 4096, 8192) for w in (4, 8, 16) if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)]
 
 
 def cols_candidates(m, n):
@@ -137,25 +97,15 @@ def cols_candidates(m, n):
                     continue
                 for programs in (2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
                     groups = max(1, min(cdiv(m, bm), programs // cdiv(n, bn)))
-                    out.append(
-                        Launch(
-                            K._rms_norm_bwd_cols_kernel,
-                            (cdiv(n, bn), groups, 1),
-                            w,
-                            {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn},
-                        )
-                    )
+                    out.append(Launch(K._rms_norm_bwd_cols_kernel, (cdiv(n, bn), groups, 1), w,
+                                      {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
 
 def reduce_candidates(n):
-    return [
-        Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
-        for bn in (16, 32, 64)
-        for bp in (64, 128, 256, 512)
-        for w in (2, 4, 8)
-        if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64
-    ]
+    return [Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
+            for bn in (16, 32, 64) for bp in (64, 128, 256, 512) for w in (2, 4, 8)
+            if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64]
 
 
 # --- running one launch on the shapes' buffers -------------------------------------------------------------
@@ -184,31 +134,19 @@ def partials_of(launch) -> int:
 def runner(launch, buf):
     m, n = buf["x"].shape
     arrays = arrays_for(launch, buf)
-    scalars = dict(
-        n_rows=m,
-        n_cols=n,
-        x_row_stride=n,
-        y_row_stride=n,
-        dy_row_stride=n,
-        dx_row_stride=n,
-        n_partials=buf.get("n_partials", 0),
-    )
+    scalars = dict(n_rows=m, n_cols=n, x_row_stride=n, y_row_stride=n, dy_row_stride=n, dx_row_stride=n,
+                   n_partials=buf.get("n_partials", 0))
     return lambda: launch_plan(launch, *arrays, **scalars)
 
 
 def buffers(m, n, max_partials=8 * NUM_SMS * 64):
     torch.manual_seed(0)
     x = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
-    return {
-        "x": x,
-        "w": torch.randn(n, device=DEVICE, dtype=torch.bfloat16),
-        "dy": torch.randn_like(x),
-        "y": torch.empty_like(x),
-        "dx": torch.empty_like(x),
-        "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
-        "stats": torch.empty(m, 2, device=DEVICE),
-        "partial": torch.empty(min(max_partials, 4 * 1024 * 1024 * 1024 // (4 * n) // 8) * n, device=DEVICE),
-    }
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+    return {"x": x, "w": torch.randn(n, **bf16), "dy": torch.randn_like(x), "y": torch.empty_like(x),
+            "dx": torch.empty_like(x), "dw": torch.empty(n, **bf16),
+            "stats": torch.empty(m, 2, device=DEVICE),
+            "partial": torch.empty(min(max_partials, 4 * 1024 * 1024 * 1024 // (4 * n) // 8) * n, device=DEVICE)}
 
 
 def _compile_one(job):
@@ -231,10 +169,8 @@ def precompile(jobs):
     """Compile every candidate in up to 14 processes (fills Triton's disk cache; the timing process then loads)."""
     uniq = {}
     for launch, n in jobs:
-        uniq[(launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, row_align(n))] = (
-            launch,
-            n,
-        )
+        key = (launch.kernel.fn.__name__, tuple(sorted(launch.constexprs.items())), launch.num_warps, row_align(n))
+        uniq[key] = (launch, n)
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(14, os.cpu_count() or 1), mp_context=ctx) as pool:
@@ -246,9 +182,8 @@ def precompile(jobs):
 
 
 def describe(launch):
-    return (
-        f"{launch.kernel.fn.__name__[1:].replace('_kernel', '')} {launch.constexprs} w{launch.num_warps} g{launch.grid}"
-    )
+    name = launch.kernel.fn.__name__[1:].replace("_kernel", "")
+    return f"{name} {launch.constexprs} w{launch.num_warps} g{launch.grid}"
 
 
 def main():
@@ -265,12 +200,10 @@ def main():
     for m, n in shapes:
         plans[(m, n)] = (K.plan_rms_norm_fwd(m, n, EPS), K.plan_rms_norm_bwd(m, n, EPS))
         fwd, bwd = plans[(m, n)]
-        cands = {
-            "fwd": [fwd] + fwd_candidates(m, n) if "fwd" in passes else [],
-            "bwd": [bwd.bwd] + (bwd_candidates(m, n) if n <= K.MAX_BWD_BLOCK else []) if "bwd" in passes else [],
-            "stats": stats_candidates(m, n) if "cols" in passes and n >= 8192 else [],
-            "cols": cols_candidates(m, n) if "cols" in passes and n >= 8192 else [],
-        }
+        cols = "cols" in passes and n >= 8192
+        cands = {"fwd": [fwd] + fwd_candidates(m, n) if "fwd" in passes else [],
+                 "bwd": [bwd.bwd] + (bwd_candidates(m, n) if n <= K.MAX_BWD_BLOCK else []) if "bwd" in passes else [],
+                 "stats": stats_candidates(m, n) if cols else [], "cols": cols_candidates(m, n) if cols else []}
         plans[(m, n)] += (cands,)
         for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
@@ -282,7 +215,7 @@ def main():
             jobs += [(c, n) for c in reduce_candidates(n)]
     precompile(jobs)
 
-    ceiling = copy_ceiling()
+    ceiling = timing.copy_ceiling(2**30)["gbps"]
     print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
 
@@ -290,24 +223,15 @@ def main():
         timed = [t for t in timed if t[0] is not None]
         best_t, best = min(timed, key=lambda t: t[0])
         top = sorted(timed, key=lambda t: t[0])[:3]
-        row = {
-            "pass": name,
-            "shape": list(shape),
-            "best": describe(best),
-            "best_us": best_t * 1e6,
-            "best_frac": nbytes / best_t / 1e9 / ceiling,
-            "n_timed": len(timed),
-            "top3": [(t * 1e6, describe(c)) for t, c in top],
-        }
+        row = {"pass": name, "shape": list(shape), "best": describe(best), "best_us": best_t * 1e6,
+               "best_frac": nbytes / best_t / 1e9 / ceiling, "n_timed": len(timed),
+               "top3": [(t * 1e6, describe(c)) for t, c in top]}
         if plan_t is not None:
             row.update(plan_us=plan_t * 1e6, plan_frac=nbytes / plan_t / 1e9 / ceiling)
         results.append(row)
         plan = f"plan {row['plan_frac']:.3f} ({row['plan_us']:.1f} us)  " if plan_t is not None else ""
-        print(
-            f"{name} {shape[0]}x{shape[1]}: {plan}best {row['best_frac']:.3f} ({best_t * 1e6:.1f} us) "
-            f"[{row['best']}]  of {len(timed)}",
-            flush=True,
-        )
+        print(f"{name} {shape[0]}x{shape[1]}: {plan}best {row['best_frac']:.3f} ({best_t * 1e6:.1f} us) "
+              f"[{row['best']}]  of {len(timed)}", flush=True)
         for t, c in top[1:]:
             print(f"    {t * 1e6:.1f} us [{describe(c)}]", flush=True)
 
@@ -336,10 +260,8 @@ def main():
             plan_t = timeit(plan_fns + [runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
             k_t = timeit(plan_fns)
             r_t = timeit([runner(bwd.reduce, {**buf, "n_partials": bwd.n_partials})])
-            print(
-                f"bwd {m}x{n}: plan split: kernels {k_t * 1e6:.1f} us + reduce {r_t * 1e6:.1f} us (P={bwd.n_partials})",
-                flush=True,
-            )
+            print(f"bwd {m}x{n}: plan split: kernels {k_t * 1e6:.1f} us + reduce {r_t * 1e6:.1f} us "
+                  f"(P={bwd.n_partials})", flush=True)
             timed = [(timeit(with_reduce(c)), c) for c in cands["bwd"]]
             record("bwd+reduce", (m, n), 3 * io, timed, plan_t)
         if cands["cols"]:
@@ -349,13 +271,9 @@ def main():
             record("cols", (m, n), 3 * io, ct)
             best_c = min((t for t in ct if t[0]), key=lambda t: t[0])[1]
             red = K.plan_dw_reduce(partials_of(best_c), n)
-            total = timeit(
-                [
-                    runner(min((t for t in st if t[0]), key=lambda t: t[0])[1], buf),
-                    runner(best_c, buf),
-                    runner(red, {**buf, "n_partials": partials_of(best_c)}),
-                ]
-            )
+            best_s = min((t for t in st if t[0]), key=lambda t: t[0])[1]
+            total = timeit([runner(best_s, buf), runner(best_c, buf),
+                            runner(red, {**buf, "n_partials": partials_of(best_c)})])
             record("stats+cols+reduce", (m, n), 3 * io, [(total, best_c)])
         del buf
         if DEVICE == "cuda":
@@ -363,12 +281,8 @@ def main():
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):
             for parts in (132, 528, 2112):
-                buf = {
-                    "partial": torch.randn(parts * n, device=DEVICE),
-                    "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16),
-                    "x": torch.empty(1, n),
-                    "n_partials": parts,
-                }
+                buf = {"partial": torch.randn(parts * n, device=DEVICE), "x": torch.empty(1, n), "n_partials": parts,
+                       "dw": torch.empty(n, device=DEVICE, dtype=torch.bfloat16)}
                 plan = K.plan_dw_reduce(parts, n)
                 timed = [(timeit([runner(c, buf)]), c) for c in [plan] + reduce_candidates(n)]
                 record(f"reduce P={parts}", (parts, n), parts * n * 4, timed, timed[0][0])

@@ -17,9 +17,9 @@ from helpers import DEVICE, rand, same_bits, to_numpy, to_torch
 
 import jax_api
 import torch_api
-from torch_api._launch import launch
 from xkern import reference as R
 from xkern.permute import plan_gather_rows, plan_generate_indices, plan_inverse
+from xkern.testing import launch
 
 NAN_BITS = {"bfloat16": (np.uint16, 0x7FA5), "float16": (np.uint16, 0x7E05), "float32": (np.uint32, 0x7FC00123)}
 TORCH_INDEX = {"int32": torch.int32, "int64": torch.int64}

@@ -17,9 +17,10 @@ from helpers import DEVICE, GPU, TORCH_DTYPES, rand, same_bits, to_numpy, to_tor
 
 import jax_api
 import torch_api
-from torch_api._launch import launch, rows_view
+from torch_api._launch import rows_view
 from xkern import reference as R
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
+from xkern.testing import launch
 
 WIDTHS = [1, 3, 64, 127, 128, 129, 300, 2048, 2049, 5000]
 ROWS = [0, 1, 7, 33]

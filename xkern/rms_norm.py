@@ -22,10 +22,10 @@ jax-triton also folds any integer argument equal to 1 into its binary; only n_co
 (a folded `mean * 1` lets the compiler fuse `x * x + EPS` into one FMA), so the plan states ONE_COL and
 every binary folds a width of 1 alike.
 
-Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (N <= 128, Qwen3 q/k norms) get
-many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`; the backward's
-`_rms_norm_bwd_row_kernel` from 8193 to 16384, which forms mean(g * n) as rstd * mean(g * x)). Rows wider than
-the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
+Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (BLOCK_N <= 256, e.g. Qwen3's q/k
+norms at 128) get many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`;
+the backward's `_rms_norm_bwd_row_kernel` from 8193 to 16384, which forms mean(g * n) as rstd * mean(g * x)).
+Rows wider than the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
 backward computes the row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
 (`_rms_norm_bwd_cols_kernel`). Every width works.
 """
@@ -375,21 +375,18 @@ COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
 _BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
 # Narrow-row forward tiles by BLOCK_N: (BLOCK_M, num_warps); narrower rows: 1024-element tiles, 2 warps.
 _FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
-# Row-kernel widths that read x twice (RELOAD). Measured on an H200, bf16 and fp16 alike (2026-12-03):
-# 0.93 -> 0.97 of the copy ceiling at 4096, 0.88 -> 0.92 at 8192, 0.84 -> 0.90 at 32768, and at 65536 (one
-# pass instead of the chunked kernel's two) 0.72 -> 0.85. At 16384 and up to 2048 holding the row is as fast.
+# Row-kernel widths that read x twice (RELOAD): faster there on the H200; at 16384 and up to 2048 holding
+# the row is as fast (numbers: docs/benchmarks.md, entry 7).
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
-# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH). From
-# benchmarks/tune_rms_norm.py on an H200 (bf16, 2026-12-03): small tiles with few warps and several
-# programs per SM for narrow rows; one row and many warps for wide rows. 16384 takes the row kernel.
+# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH), from the H200 sweep of
+# benchmarks/tune_rms_norm.py: small tiles with few warps and several programs per SM for narrow rows; one
+# row and many warps for wide rows. 16384 takes the row kernel.
 _BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True), 512: (8, 8, 2, True),
               1024: (4, 8, 2, True), 2048: (2, 8, 2, True), 4096: (1, 8, 2, True), 8192: (1, 16, 1, True)}
-# Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. H200, 2026-12-03:
-# 4096 x 16384 0.73 of the copy ceiling (fp16 0.75) against 0.66 for a 1-row tile holding x and dy (0.58
-# reading them twice); 8192 wide 0.71 against the prefetching tile's 0.84; 32768 wide spills (0.43 against
-# 0.55).
+# Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. Only there is it the
+# fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
 
 

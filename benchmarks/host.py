@@ -1,0 +1,239 @@
+"""What a call costs the host: every torch op of xkern at a small shape beside its peers and the floor of
+this host, and a Llama-style block's training step, eager and compiled.
+
+Per call: a tight eager loop of calls with one synchronize at the end. `wall_us` counts that synchronize
+(per call), `issue_us` stops before it (the host's time while the device keeps up), `device_us` is the
+call captured in a CUDA graph and replayed (`timing.torch_device_us`). Forward calls run without autograd
+(inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`.
+The floor: an empty `torch.library` custom op, an empty Triton kernel launch, and `torch.autograd.grad`
+through a native op (F.rms_norm's row).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+
+from benchmarks import permute as P
+from benchmarks import rms_norm as RN
+from benchmarks import timing
+from benchmarks.timing import error_status
+
+HOST_ROWS = {"cuda": (16, 4096), "cpu": (4, 256)}          # x of the RMSNorm calls
+HOST_TOKENS = {"cuda": (16, 4096), "cpu": (4, 32)}         # (T, H) of the gathers: T x top-8 rows
+LOOP = 2000
+# The block: [batch, seq, dim], heads, MLP hidden size
+BLOCK = {"cuda": dict(batch=1, seq=256, dim=2048, heads=16, hidden=5632), "cpu": dict(batch=1, seq=4, dim=64,
+                                                                                       heads=4, hidden=128)}
+BLOCK_LOOP = 200
+
+
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+@functools.cache
+def _empty_op():
+    import torch
+
+    @torch.library.custom_op("xkern_bench::empty", mutates_args=(), schema="(Tensor x) -> ()")
+    def empty(x):
+        return None
+
+    return torch.ops.xkern_bench.empty
+
+
+def _measure(call, device: str, device_time: bool = True) -> dict:
+    """Wall and issue time per call; device time (in a CUDA graph) as a separate try."""
+    import torch
+
+    def sync(_):
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    try:
+        wall, issue = timing.host_us_per_call(call, sync, LOOP)
+    except Exception as err:  # noqa: BLE001 - one failing entry must not lose the table
+        return {"status": error_status(err)}
+    out = {"wall_us": wall, "issue_us": issue}
+    if device_time:
+        try:
+            out["device_us"], out["timing"] = timing.torch_device_us(lambda: [call])
+        except Exception as err:  # noqa: BLE001
+            out["timing"] = error_status(err)
+    return out
+
+
+def _rms_entries(device: str):
+    import torch
+
+    m, n = HOST_ROWS[device]
+    gen = torch.Generator(device=device).manual_seed(7)
+    x, dy = (torch.randn(m, n, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    shape = f"x {m}×{n} bf16"
+    for name, fn in RN.torch_impls(None).items():
+        if not callable(fn):
+            yield "rms_norm", "fwd", name, shape, fn
+            continue
+        yield "rms_norm", "fwd", name, shape, functools.partial(fn, x, w)
+        yield "rms_norm", "fwd+bwd", name, shape, lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+
+
+def _gather_entries(device: str):
+    import torch
+
+    import torch_api as tp
+
+    t, h = HOST_TOKENS[device]
+    counts, n, n_pad = P.routing(t, h)
+    counts_t = torch.from_numpy(counts).to(device)
+    idx = P.layout(counts_t, n_pad, tp)
+    idx64 = idx.long()
+    inv64 = tp.inverse_permutation(idx, n).long()
+    x = torch.randn(n, h, device=device, dtype=torch.bfloat16)
+    y = torch.randn(n_pad, h, device=device, dtype=torch.bfloat16)
+    shape = f"{t}×top-{P.TOP_K} rows, H {h} bf16"
+
+    def index_put_inverse():
+        inv = torch.full((n,), -1, dtype=torch.int64, device=device)
+        valid = idx64 >= 0
+        inv[idx64[valid]] = torch.arange(n_pad, device=device)[valid]
+        return inv
+
+    yield "permute_rows", "fwd", "xkern (torch)", shape, functools.partial(tp.permute_rows, x, idx)
+    yield "permute_rows", "fwd", "previous (vstack + index)", shape, functools.partial(P.prev_permute, x, idx,
+                                                                                        idx64, inv64)
+    yield "permute_rows", "fwd", "index_select (no zero rows)", shape, functools.partial(
+        x.index_select, 0, idx64.clamp(min=0))
+    yield "unpermute_rows", "fwd", "xkern (torch)", shape, functools.partial(tp.unpermute_rows, y, idx, n)
+    yield "unpermute_rows", "fwd", "index_select", shape, functools.partial(y.index_select, 0, inv64)
+    yield "unpermute_rows", "fwd", "previous (zeros + index_put)", shape, functools.partial(
+        P.prev_unpermute, y, idx, idx64, inv64)
+    yield "inverse_permutation", "fwd", "xkern (torch)", shape, functools.partial(tp.inverse_permutation, idx, n)
+    yield "inverse_permutation", "fwd", "torch (full + index_put)", shape, index_put_inverse
+    yield "generate_permute_indices", "fwd", "xkern (torch)", shape, functools.partial(P.layout, counts_t, n_pad, tp)
+
+
+def _floor_entries(device: str):
+    import torch
+
+    x = torch.zeros(16, device=device)
+    yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
+    yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
+
+
+def host_table(device: str, log) -> list[dict]:
+    """One row per (op, pass, implementation) plus the floor rows."""
+    rows = []
+    for entries in (_floor_entries, _rms_entries, _gather_entries):
+        try:
+            for op, pass_, impl, shape, call in entries(device):
+                row = {"op": op, "pass": pass_, "impl": impl, "shape": shape}
+                row.update(_measure(call, device, device_time=op != "floor") if callable(call)
+                           else {"status": call})
+                rows.append(row)
+        except Exception as err:  # noqa: BLE001
+            rows.append({"op": entries.__name__, "impl": "setup", "status": error_status(err)})
+    ok = [r for r in rows if "wall_us" in r and r["impl"].startswith("xkern")]
+    log("host overhead (wall µs per call): " + ", ".join(f"{r['op']} {r['pass']} {r['wall_us']:.1f}" for r in ok))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# A Llama-style block's training step
+
+
+def _block(norm: str, cfg: dict, device: str):
+    import torch
+    import torch.nn.functional as F
+
+    import torch_api
+
+    class HFNorm(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(dim))
+
+        def forward(self, x):
+            return RN.hf_rms_norm(x, self.weight)
+
+    def make_norm(dim):
+        return torch_api.RMSNorm(dim, RN.EPS) if norm == "xkern" else HFNorm(dim)
+
+    class Block(torch.nn.Module):
+        """Pre-norm: RMSNorm, causal attention (SDPA as the stand-in), RMSNorm, SwiGLU MLP."""
+
+        def __init__(self, dim, heads, hidden):
+            super().__init__()
+            self.heads = heads
+            self.attn_norm, self.mlp_norm = make_norm(dim), make_norm(dim)
+            self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+            self.o = torch.nn.Linear(dim, dim, bias=False)
+            self.gate_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
+            self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+            x = x + self.o(a)
+            gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+
+    torch.manual_seed(0)
+    return Block(cfg["dim"], cfg["heads"], cfg["hidden"]).to(device=device, dtype=torch.bfloat16)
+
+
+def block_table(device: str, log) -> list[dict]:
+    """Forward + backward of one block: eager, torch.compile, compile with CUDA graphs ("reduce-overhead"),
+    each with xkern's norm (torch_api.RMSNorm) and with the eager HF norm."""
+    import torch
+
+    cfg = BLOCK[device]
+    rows = []
+    for mode in ("eager", "compile", "reduce-overhead"):
+        for norm in ("xkern", "HF eager"):
+            row = {"mode": mode, "norm": norm, "config": cfg}
+            rows.append(row)
+            if mode == "reduce-overhead" and device != "cuda":
+                row["status"] = "skipped: CUDA graphs need a GPU"
+                continue
+            try:
+                torch._dynamo.reset()
+                block = _block(norm, cfg, device)
+                model = block
+                if mode != "eager":
+                    backend = "inductor" if device == "cuda" else "aot_eager"
+                    model = torch.compile(block, fullgraph=True, backend=backend,
+                                          mode="reduce-overhead" if mode == "reduce-overhead" else None)
+                leaves = [torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], device=device, dtype=torch.bfloat16,
+                                      requires_grad=True), *block.parameters()]
+                dy = torch.randn_like(leaves[0])
+
+                def step(model=model, leaves=leaves, dy=dy, graphs=mode == "reduce-overhead"):
+                    if graphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    return torch.autograd.grad(model(leaves[0]), leaves, dy)
+
+                wall, issue = timing.host_us_per_call(step, lambda _: torch.cuda.synchronize()
+                                                      if device == "cuda" else None, BLOCK_LOOP)
+                row.update(wall_us=wall, issue_us=issue)
+            except Exception as err:  # noqa: BLE001
+                row["status"] = error_status(err)
+                log(f"block {mode} with {norm} norm: {row['status']}")
+                continue
+            try:
+                if mode == "reduce-overhead":  # already CUDA graphs, which cannot be captured again
+                    row["device_us"] = timing.torch_eager_us([step])
+                    row["timing"] = "do_bench of the compiled graphs' replays"
+                else:
+                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=step: [step])
+            except Exception as err:  # noqa: BLE001
+                row["timing"] = error_status(err)
+            device_us = f"{row['device_us']:.0f} µs" if "device_us" in row else row.get("timing")
+            log(f"block {mode} with {norm} norm: wall {row['wall_us']:.0f} µs/step, device {device_us}")
+    return rows

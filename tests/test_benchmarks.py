@@ -1,0 +1,46 @@
+"""The benchmark's smoke run: every case, implementation and timed path of `python -m benchmarks.main` at
+tiny sizes (on CPU through Triton's interpreter), so that a change that breaks the GPU benchmark fails
+here first. Timings of a smoke run are not measurements; only that everything ran and checked is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: the benchmark itself runs there (`bash scripts/main.sh`, "
+                    "or `python -m benchmarks.main --smoke` as a quick pre-flight), not inside the suite's time limit")
+def test_benchmark_smoke_runs_every_path(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.main", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*.json")
+    results = json.loads(path.read_text())
+    rows = results["rows"]
+    for op in ("rms_norm", "permute_rows", "unpermute_rows"):
+        for impl in ("xkern (torch)", "xkern (jax)"):
+            mine = [r for r in rows if r["op"] == op and r["impl"] == impl]
+            assert mine and all(r["check"] == "pass" and r["us"] for r in mine), (op, impl)
+    assert all(r["bitwise_equal_torch"] for r in rows if r["impl"] == "xkern (jax)")
+    assert any(r.get("sweep") for r in rows)
+    assert {r["op"] for r in results["host"] if "wall_us" in r} >= {
+        "floor", "rms_norm", "permute_rows", "unpermute_rows", "inverse_permutation", "generate_permute_indices"}
+    assert sum("wall_us" in b for b in results["block"]) == 4  # eager and compile, two norms (graphs need CUDA)
+    md = path.with_suffix(".md").read_text()
+    assert "Host cost per call" in md and "width sweep" in md
+
+    from benchmarks import report  # the sweep's parts merged, and README's summary quoting the sweep
+
+    merged = tmp_path / "merged-sweep.json"
+    report.merge(str(merged), [str(path), str(path)])
+    summary = report.summary(results, json.loads(merged.read_text()), "results/x", None)
+    assert "worst xkern / best peer" in summary and "worst JAX / torch" in summary
