@@ -124,6 +124,27 @@ def _floor_entries(device: str):
     x = torch.zeros(16, device=device)
     yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
     yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
+    # What any Python-defined differentiable op pays in a torch.autograd.grad step before its own work.
+    xg, dy = x.clone().requires_grad_(), torch.ones_like(x)
+    alloc_only = _alloc_only_function()
+    yield "floor", "fwd+bwd", "autograd.Function, allocations only", "x 16 fp32", \
+        lambda: torch.autograd.grad(alloc_only.apply(xg), xg, dy)
+
+
+@functools.cache
+def _alloc_only_function():
+    import torch
+
+    class AllocOnly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return torch.empty_like(dy)
+
+    return AllocOnly
 
 
 def host_table(device: str, log) -> list[dict]:
