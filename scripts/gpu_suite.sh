@@ -9,7 +9,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   "$PY" -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax_triton', jax_triton.__version__, 'numpy', numpy.__version__)"
-  # Kernel compiles dominate the run: spread the files over 4 processes where pytest-xdist is installed
+  # Kernel compiles dominate the run: spread the files over 8 processes (XDIST_N) where pytest-xdist is installed
   # (it is on the H200 image); the GPU has room for all of them.
   XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-8} --dist loadfile")
   timeout "${SUITE_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ 2>&1
