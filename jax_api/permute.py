@@ -17,6 +17,9 @@ import numpy as np
 from jax_api._launch import call, map_batched, vary_like
 from xkern.permute import (
     check_counts,
+    check_gather_sizes,
+    check_int,
+    check_layout,
     check_permutation,
     plan_gather_rows,
     plan_generate_indices,
@@ -154,14 +157,6 @@ def _devices(a):
         return None
 
 
-def _check_count(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return int(n)
-
-
 def _host(name: str, a) -> np.ndarray:
     """validate=True reads the indices on the host: they must be concrete (not traced under jit)."""
     try:
@@ -183,21 +178,11 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    experts_per_rank = _check_count("experts_per_rank", experts_per_rank)
-    num_ranks = _check_count("num_ranks", num_ranks)
-    if experts_per_rank < 1 or num_ranks < 1:
-        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
-    max_len = _check_count("max_len", max_len)
-    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1 (1 means no padding but for empty experts), got {alignment}")
-    if counts.shape[0] != experts_per_rank * num_ranks:
-        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
-                         f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
+    experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
+                                                                   max_len, alignment)
     if validate:
-        check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
-    outs = _generate_op(experts_per_rank, num_ranks, max_len, int(alignment))(counts)
+        check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, alignment, max_len)
+    outs = _generate_op(experts_per_rank, num_ranks, max_len, alignment)(counts)
     return tuple(vary_like(o, counts) for o in outs)
 
 
@@ -237,6 +222,7 @@ def permute_rows(x, permuted_indices, validate: bool = False):
     """
     _check_rows("x", x)
     _check_index("permuted_indices", permuted_indices, like=x)
+    check_gather_sizes(permuted_indices.shape[0])
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), x.shape[0])
     return _permute(x.shape[0], x, permuted_indices)
@@ -246,7 +232,8 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     _check_index("permuted_indices", permuted_indices)
-    num_rows = _check_count("num_rows", num_rows)
+    num_rows = check_int("num_rows", num_rows)
+    check_gather_sizes(permuted_indices.shape[0], num_rows)
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
@@ -258,10 +245,11 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):
     (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding)."""
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
-    num_rows = _check_count("num_rows", num_rows)
+    num_rows = check_int("num_rows", num_rows)
     if permuted_indices.shape[0] != y.shape[0]:
         raise ValueError(f"y must have one row per slot of permuted_indices ({permuted_indices.shape[0]}), "
                          f"got {y.shape[0]}")
+    check_gather_sizes(permuted_indices.shape[0], num_rows)
     if validate:
         check_permutation(_host("permuted_indices", permuted_indices), num_rows)
     return _unpermute(num_rows, y, permuted_indices)

@@ -14,6 +14,9 @@ import torch
 from torch_api._launch import check_device, launch
 from xkern.permute import (
     check_counts,
+    check_gather_sizes,
+    check_int,
+    check_layout,
     check_permutation,
     plan_gather_rows,
     plan_generate_indices,
@@ -152,14 +155,6 @@ def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
     check_device(name, idx, like=like)
 
 
-def _check_count(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
-
-
 def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_rank: int, num_ranks: int,
                              max_len: int, alignment: int, validate: bool = False,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,16 +169,8 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    if _check_count("experts_per_rank", experts_per_rank) < 1 or _check_count("num_ranks", num_ranks) < 1:
-        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
-    _check_count("max_len", max_len)
-    if isinstance(alignment, bool) or not isinstance(alignment, int):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1 (1 means no padding but for empty experts), got {alignment}")
-    if counts.shape[0] != experts_per_rank * num_ranks:
-        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
-                         f"{experts_per_rank * num_ranks} entries, got {counts.shape[0]}")
+    experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
+                                                                   max_len, alignment)
     if validate:
         check_counts(counts.detach().cpu().numpy(), experts_per_rank, alignment, max_len)
     return torch.ops.xkern.generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment)
@@ -199,6 +186,7 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
     """
     _check_rows("x", x)
     _check_index("permuted_indices", permuted_indices, like=x)
+    check_gather_sizes(permuted_indices.shape[0])
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), x.shape[0])
     return torch.ops.xkern.permute_rows(x, permuted_indices)
@@ -208,7 +196,8 @@ def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate:
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     _check_index("permuted_indices", permuted_indices)
-    _check_count("num_rows", num_rows)
+    num_rows = check_int("num_rows", num_rows)
+    check_gather_sizes(permuted_indices.shape[0], num_rows)
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
@@ -221,10 +210,11 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`."""
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
-    _check_count("num_rows", num_rows)
+    num_rows = check_int("num_rows", num_rows)
     if permuted_indices.shape[0] != y.shape[0]:
         raise ValueError(f"y must have one row per slot of permuted_indices ({permuted_indices.shape[0]}), "
                          f"got {y.shape[0]}")
+    check_gather_sizes(permuted_indices.shape[0], num_rows)
     if validate:
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
     return torch.ops.xkern.unpermute_rows(y, permuted_indices, num_rows)

@@ -36,6 +36,20 @@ class Launch:
     num_stages: int = 2
 
 
+# Kernels number rows, slots and tiles in int32 lanes (`program_id * BLOCK + lane`; a persistent program
+# also forms the tile after its last one): the most rows (or slots) a launch takes, with room for that
+# overshoot (at most 2**20 = (programs + 1) * BLOCK_M of any plan). Memory offsets are int64 everywhere.
+MAX_ROWS = 2**31 - 2**20
+INT32_MAX = 2**31 - 1
+
+
+def check_rows(name: str, n: int, what: str = "rows") -> None:
+    """ValueError naming `name` unless `n` rows (or slots) fit the kernels' int32 row numbering."""
+    if n > MAX_ROWS:
+        raise ValueError(f"{name} has {n} {what}; the kernels number {what} in int32 and take at most "
+                         f"{MAX_ROWS}: split the call")
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -27,7 +27,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from xkern.launch import Launch, cdiv, next_pow2, row_align
+from xkern.launch import INT32_MAX, Launch, cdiv, check_rows, next_pow2, row_align
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
@@ -225,6 +225,47 @@ def compile_variants() -> list[tuple[Launch, dict]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Argument rules (static: shapes and Python ints, no sync), shared by both front ends.
+
+
+def check_int(name: str, n, minimum: int = 0) -> int:
+    """`n` as an int: TypeError naming `name` unless it is an integer (bool excluded), ValueError if it is
+    below `minimum`."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {n}")
+    return int(n)
+
+
+def check_layout(n_counts: int, experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
+    """generate_permute_indices' arguments, as ints. m_sizes, m_offsets and permuted_indices are int32 and
+    the kernels number slots in int32: every expert gets at least one block of `alignment` slots, so
+    `experts_per_rank * alignment` must fit int32 (else m_offsets would wrap), and max_len must fit the
+    slot numbering. (What the counts add up to is only known on the device: `check_counts`.)"""
+    experts_per_rank = check_int("experts_per_rank", experts_per_rank, 1)
+    num_ranks = check_int("num_ranks", num_ranks, 1)
+    max_len = check_int("max_len", max_len)
+    alignment = check_int("alignment", alignment, 1)
+    if n_counts != experts_per_rank * num_ranks:
+        raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
+                         f"{experts_per_rank * num_ranks} entries, got {n_counts}")
+    check_rows("max_len", max_len, "slots")
+    if experts_per_rank * alignment > INT32_MAX:
+        raise ValueError(f"alignment={alignment} is too large: experts_per_rank * alignment = "
+                         f"{experts_per_rank * alignment} slots (at least one aligned block per expert) must fit "
+                         f"the int32 m_offsets (<= {INT32_MAX})")
+    return experts_per_rank, num_ranks, max_len, alignment
+
+
+def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
+    """The gathers and the inverse number slots (len(permuted_indices)) and rows in int32 lanes."""
+    check_rows("permuted_indices", n_slots, "slots")
+    if num_rows is not None:
+        check_rows("num_rows", num_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Host-side checks (validate=True), shared by both front ends.
 
 
@@ -253,13 +294,21 @@ def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indi
 
 
 def check_counts(counts: np.ndarray, experts_per_rank: int, alignment: int, max_len: int) -> None:
-    """validate=True for generate_permute_indices: counts >= 0 and every token gets a slot < max_len."""
+    """validate=True for generate_permute_indices: counts >= 0, their row numbers and the padded layout
+    fit int32 (permuted_indices, m_offsets), and every token gets a slot < max_len."""
     counts = np.asarray(counts).astype(np.int64).reshape(-1)
     neg = np.flatnonzero(counts < 0)
     if neg.size:
         raise ValueError(f"tokens_per_expert_group[{int(neg[0])}] = {int(counts[neg[0]])} is negative")
+    # Python ints from here: int64 sums of hostile counts could wrap too.
+    if sum(int(c) for c in counts) > INT32_MAX:
+        raise ValueError(f"tokens_per_expert_group sums to {sum(int(c) for c in counts)} rows; row numbers are "
+                         f"int32 (<= {INT32_MAX})")
     totals = counts.reshape(-1, experts_per_rank).sum(axis=0)
     sizes = -(-np.maximum(totals, alignment) // alignment) * alignment
+    if int(sizes.sum()) > INT32_MAX:
+        raise ValueError(f"tokens_per_expert_group with alignment={alignment} pads to {int(sizes.sum())} slots; "
+                         f"m_offsets are int32 (<= {INT32_MAX})")
     ends = np.cumsum(sizes) - sizes + totals  # one past each expert's last real row
     over = np.flatnonzero(ends > max_len)
     if over.size:

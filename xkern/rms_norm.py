@@ -37,7 +37,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.launch import NUM_SMS, Launch, cdiv, check_rows, next_pow2, row_align
 
 
 @triton.jit
@@ -382,6 +382,7 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                       itemsize: int = 2) -> Launch:
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols);
     `itemsize` the largest element size of x and w in bytes."""
+    check_rows("x", n_rows)  # the tile kernel numbers rows in int32
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     if n_cols > (MAX_FWD_BLOCK if itemsize <= 2 else MAX_FWD_BLOCK // 2):
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
@@ -413,6 +414,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
     (default: contiguous)."""
+    check_rows("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
     block_n = next_pow2(n_cols)
     fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     stats = None
