@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-import numpy as np
-
 from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
 from xkern.ep import check_dispatch, check_topk_range
 from xkern.permute import check_int
@@ -47,9 +45,9 @@ def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, al
     sent to each rank (T * K never drops). Returns `(xp [max_len, H], m_sizes [E_local], m_offsets
     [E_local], handle)`, blocks as in `generate_permute_indices`, zero rows at padding and past the last
     block. max_len defaults to the bound world * capacity + E_local * alignment, which every layout fits.
-    An id outside [0, num_experts) is a ValueError where topk_ids are concrete; traced (inside
-    shard_map/jit), its row is dropped like a row past capacity, and `validate=True` adds a host callback
-    that fails the computation with the same ValueError's message.
+    Ids are traced here (inside shard_map), so a Python error cannot depend on them: a row whose id is
+    outside [0, num_experts) goes to no expert (dropped, like a row past capacity), and `validate=True`
+    adds a host callback that fails the computation with xkern.ep's ValueError message naming topk_ids.
     """
     world = jax.lax.axis_size(axis_name)
     num_experts, alignment = check_dispatch(
@@ -61,9 +59,7 @@ def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, al
     max_len = world * capacity + e_local * alignment if max_len is None else check_int("max_len", max_len)
 
     ids = topk_ids.reshape(-1)
-    if ids.size and not isinstance(ids, jax.core.Tracer):
-        check_topk_range(int(np.min(ids)), int(np.max(ids)), num_experts)
-    elif validate and ids.size:
+    if validate and ids.size:
         jax.debug.callback(lambda lo, hi: check_topk_range(int(lo), int(hi), num_experts), ids.min(), ids.max())
     # An out-of-range id goes to no rank: num_experts sorts after every real id and is no expert's count.
     flat = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).astype(jnp.int32)
