@@ -8,7 +8,7 @@ is out of range, as it drops rows past `capacity`.
 
 from __future__ import annotations
 
-from xkern.launch import INT32_MAX
+from xkern.launch import INT32_MAX, check_rows
 from xkern.permute import check_int
 
 
@@ -27,6 +27,7 @@ def check_dispatch(x_shape, ids_shape, ids_dtype: str, ids_is_integer: bool, num
         raise ValueError(f"x must be [T, H], got shape {list(x_shape)}")
     if len(ids_shape) != 2 or ids_shape[0] != x_shape[0]:
         raise ValueError(f"topk_ids must be [T, K] with x's T = {x_shape[0]}, got shape {list(ids_shape)}")
+    check_rows("topk_ids", ids_shape[0] * ids_shape[1], "(token, k) assignments")  # one row each
     if num_experts % world:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {world}")
     if num_experts // world * alignment > INT32_MAX:
