@@ -258,6 +258,8 @@ def test_6_int32_overflow_is_an_error():
     for plan in (plan_rms_norm_fwd, plan_rms_norm_bwd):
         with pytest.raises(ValueError, match="x has"):
             plan(2**31, 16, EPS)
+        with pytest.raises(ValueError, match="x has .* columns"):
+            plan(1, 2**31, EPS)
         plan(MAX_ROWS, 16, EPS)  # the largest count still plans
 
 
