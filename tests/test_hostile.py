@@ -295,10 +295,12 @@ def test_7_ep_dispatch_bad_input(gloo_group):
         args = dict(x=x, topk_ids=ids, num_experts=4, alignment=4) | kwargs
         with pytest.raises(exc, match=name):
             torch_api.ep_dispatch(args.pop("x"), args.pop("topk_ids"), args.pop("num_experts"), **args)
-    # and the good call next to them still routes every row
-    xp, m_sizes, _, handle = torch_api.ep_dispatch(x, ids, 4, alignment=4)
-    assert m_sizes.tolist() == [4] * 4
-    assert torch.equal(torch_api.ep_combine(xp, torch.ones(3, 2), handle), 2 * x)
+    # and the good call next to them still routes every row (gloo moves CPU tensors: the interpreter's
+    # kernels; on a GPU machine tests/test_ep.py runs its ranks under the interpreter)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        xp, m_sizes, _, handle = torch_api.ep_dispatch(x, ids, 4, alignment=4)
+        assert m_sizes.tolist() == [4] * 4
+        assert torch.equal(torch_api.ep_combine(xp, torch.ones(3, 2), handle), 2 * x)
 
     mesh = jax.make_mesh((1,), ("ep",))
     jx = jnp.asarray(x.numpy())
