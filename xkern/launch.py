@@ -71,7 +71,8 @@ def row_align(n_cols: int, *row_strides: int) -> int:
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU path) is not thread-safe, and JAX runs host callbacks
-# on its own threads: every interpreted launch, from either front end, takes this lock.
+# on its own threads: every interpreted launch, from either front end, takes this lock (JAX's run on the
+# one interpreter thread, `run_interpreted`, which takes it there).
 INTERPRETER_LOCK = threading.Lock()
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_START = threading.Lock()
