@@ -30,7 +30,7 @@ import jax_api  # noqa: E402
 import torch_api  # noqa: E402
 from xkern import reference as R  # noqa: E402
 
-EXAMPLES = int(os.environ.get("XKERN_HYPOTHESIS_EXAMPLES", 200 if GPU else 12))
+EXAMPLES = int(os.environ.get("XKERN_HYPOTHESIS_EXAMPLES", 200 if GPU else 30))
 MAX_WIDTH = int(os.environ.get("XKERN_HYPOTHESIS_MAX_WIDTH", 70000 if GPU else 40))
 PHASES = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if os.environ.get(
     "XKERN_HYPOTHESIS_SHRINK") == "1" else ())
