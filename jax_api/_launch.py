@@ -15,11 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.launch import INTERPRETER_LOCK, Launch, Recipe, bind, ordered_scalars, patch_interpreter
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    patch_interpreter()
+from xkern.launch import INTERPRET, Launch, Recipe, bind, ordered_scalars, run_interpreted
 
 _FORCE_GPU = False  # set by gpu_lowering(): take the jax-triton branch on any backend
 
@@ -127,10 +123,10 @@ class _HostArray:
 
 
 def _interpret(plan: Launch, out_types, scalars, *inputs):
+    # Not on the callback's own thread: XLA runs it with subnormals flushed (see run_interpreted).
     outs = [np.empty(t.shape, t.dtype) for t in out_types]
     args = [_HostArray(np.ascontiguousarray(a)) for a in inputs] + [_HostArray(o) for o in outs]
-    with INTERPRETER_LOCK:
-        plan.kernel[plan.grid](**bind(plan, args, scalars))
+    run_interpreted(lambda: plan.kernel[plan.grid](**bind(plan, args, scalars)))
     return outs
 
 

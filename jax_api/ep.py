@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
+from xkern.ep import check_dispatch, check_topk_range
+from xkern.launch import check_rows
+from xkern.permute import check_int
 
 
 @dataclass(frozen=True)
@@ -36,29 +39,40 @@ class EPHandle:
 
 
 def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, alignment: int = 16,
-                max_len: int | None = None):
+                max_len: int | None = None, validate: bool = False):
     """Send each token's rows to the ranks owning its top-k experts; lay them out expert-major, padded.
 
-    x: [T, H] per shard; topk_ids: [T, K] global expert ids. capacity: rows sent to each rank (T * K
-    never drops). Returns `(xp [max_len, H], m_sizes [E_local], m_offsets [E_local], handle)`, blocks as
-    in `generate_permute_indices`, zero rows at padding and past the last block. max_len defaults to the
-    bound world * capacity + E_local * alignment, which every layout fits.
+    x: [T, H] per shard; topk_ids: [T, K] integer global expert ids in [0, num_experts). capacity: rows
+    sent to each rank (T * K never drops). Returns `(xp [max_len, H], m_sizes [E_local], m_offsets
+    [E_local], handle)`, blocks as in `generate_permute_indices`, zero rows at padding and past the last
+    block. max_len defaults to the bound world * capacity + E_local * alignment, which every layout fits.
+    Ids are traced here (inside shard_map), so a Python error cannot depend on them: a row whose id is
+    outside [0, num_experts) goes to no expert (dropped, like a row past capacity), and `validate=True`
+    adds a host callback that fails the computation with xkern.ep's ValueError message naming topk_ids.
     """
     world = jax.lax.axis_size(axis_name)
-    if num_experts % world:
-        raise ValueError(f"num_experts={num_experts} must be a multiple of the axis size {world}")
+    num_experts, alignment = check_dispatch(
+        tuple(x.shape), tuple(topk_ids.shape), str(topk_ids.dtype), jnp.issubdtype(topk_ids.dtype, jnp.integer),
+        num_experts, world, alignment)
+    capacity = check_int("capacity", capacity)
+    check_rows("capacity", world * capacity, "rows to send (world * capacity)")
     e_local = num_experts // world
     num_tokens, top_k = topk_ids.shape
-    max_len = world * capacity + e_local * alignment if max_len is None else max_len
+    max_len = world * capacity + e_local * alignment if max_len is None else check_int("max_len", max_len)
 
-    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    ids = topk_ids.reshape(-1)
+    if validate and ids.size:
+        jax.debug.callback(lambda lo, hi: check_topk_range(int(lo), int(hi), num_experts), ids.min(), ids.max())
+    # An out-of-range id goes to no rank: num_experts sorts after every real id and is no expert's count.
+    flat = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # destination rank, expert, then (t, k)
-    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1).reshape(world, e_local)
+    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop").reshape(world, e_local)
+    wanted = counts.sum(1)  # rows for each destination rank before capacity
+    start = jnp.cumsum(wanted) - wanted
     # Keep the first `capacity` rows per destination; clip the per-expert counts to what is sent.
     before = jnp.cumsum(counts, axis=1) - counts
     counts = jnp.clip(capacity - before, 0, counts)
     per_rank = counts.sum(1)
-    start = jnp.cumsum(jnp.bincount(flat // e_local, length=world)) - jnp.bincount(flat // e_local, length=world)
     j = jnp.arange(capacity)
     pos = (start[:, None] + j[None, :]).reshape(-1)
     send_idx = jnp.where((j[None, :] < per_rank[:, None]).reshape(-1),

@@ -145,11 +145,11 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    contract.check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
-    experts_per_rank, num_ranks, max_len = int(experts_per_rank), int(num_ranks), int(max_len)
+    experts_per_rank, num_ranks, max_len, alignment = contract.check_layout(
+        counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
     if validate:
-        contract.check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, int(alignment), max_len)
-    outs = _generate_op(experts_per_rank, num_ranks, max_len, int(alignment))(counts)
+        contract.check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, alignment, max_len)
+    outs = _generate_op(experts_per_rank, num_ranks, max_len, alignment)(counts)
     return tuple(vary_like(o, counts) for o in outs)
 
 

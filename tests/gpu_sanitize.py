@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_api  # noqa: E402
@@ -40,6 +41,24 @@ def main():
             dx_ref, dw_ref, tol = R.rms_norm_bwd(xn, wn, dyn, eps)
             R.check(_np(x.grad), dx_ref, "dx")
             R.check(_np(w.grad), dw_ref, "dw", tol)
+            count += 1
+    # Weights that are not contiguous (issue 16): a strided view, and one element expanded to n (a kernel
+    # indexing it as contiguous reads n elements of a 1-element allocation).
+    for rows, n in [(33, 3), (65, 128), (9, 300), (3, 5000), (3, 16385), (2, 40000)]:
+        big = (1 + 0.5 * torch.randn(2 * n, device="cuda", generator=g)).requires_grad_()
+        one = torch.tensor([1.5], device="cuda", requires_grad=True)
+        for leaf, w in ((big, big[::2]), (one, one.expand(n))):
+            x = torch.randn(rows, n, device="cuda", generator=g).requires_grad_()
+            dy = torch.randn(rows, n, device="cuda", generator=g)
+            y = torch_api.rms_norm(x, w, 1e-5)
+            y.backward(dy)
+            xn, wn, dyn = _np(x), _np(w.detach().contiguous()), _np(dy)
+            R.check(_np(y), R.rms_norm_fwd(xn, wn, 1e-5), "fwd")
+            dx_ref, dw_ref, _ = R.rms_norm_bwd(xn, wn, dyn, 1e-5)
+            R.check(_np(x.grad), dx_ref, "dx")
+            got = _np(leaf.grad)
+            want = dw_ref.sum(keepdims=True) if leaf is one else dw_ref
+            assert np.allclose(got if leaf is one else got[::2], want, rtol=1e-4, atol=1e-4)
             count += 1
     for tokens, hidden, ranks, align in [(100, 1025, 2, 16), (64, 1, 1, 8), (0, 64, 2, 16), (333, 2048, 4, 128)]:
         experts = 8

@@ -113,13 +113,34 @@ def _worker(rank: int, world: int, store: str) -> None:
         dist.destroy_process_group()
 
 
-def _run_ranks(world: int, store: str) -> None:
+def _bad_ids_worker(rank: int, world: int, store: str) -> None:
+    """Rank 1 sends an expert id past num_experts: every rank must raise ValueError naming topk_ids
+    (none may be left waiting in the row all-to-all)."""
+    import torch_api
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(rank)) + 0.5
+        ids = torch.tensor([[0, 1], [2, 3], [1, 0]]) + (2 if rank == 1 else 0)  # rank 1: ids up to 5 >= 4
+        try:
+            torch_api.ep_dispatch(x, ids, 4, alignment=4)
+        except ValueError as err:
+            assert "topk_ids" in str(err) and ("rank 1" in str(err)) == (rank != 1), str(err)
+        else:
+            raise AssertionError(f"rank {rank}: no ValueError")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(world: int, store: str, worker=_worker) -> None:
     # The ranks run on CPU (gloo) under the interpreter; set it for them only: on a GPU machine this
     # process runs compiled kernels and must keep doing so after the test.
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        ctx = mp.spawn(_worker, args=(world, store), nprocs=world, join=False)
+        ctx = mp.spawn(worker, args=(world, store), nprocs=world, join=False)
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET")
@@ -148,6 +169,15 @@ def test_ep_dispatch_combine_gloo(world, tmp_path):
         if err.signal_name is None:
             raise
         _run_ranks(world, str(tmp_path / "store2"))
+
+
+def test_ep_dispatch_bad_ids_raise_on_every_rank(tmp_path):
+    try:
+        _run_ranks(2, str(tmp_path / "store"), _bad_ids_worker)
+    except mp.ProcessExitedException as err:  # the start-up abort retried above, once
+        if err.signal_name is None:
+            raise
+        _run_ranks(2, str(tmp_path / "store2"), _bad_ids_worker)
 
 
 # ---------------------------------------------------------------------------------------------------

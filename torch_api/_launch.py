@@ -11,21 +11,15 @@ Three ways to launch one plan, all the same binary:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import operator
-import os
 import threading
 
 import torch
 from triton import knobs
 
-from xkern.launch import INTERPRETER_LOCK, Launch, Recipe, bind, patch_interpreter
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    patch_interpreter()
+from xkern.launch import INTERPRET, Launch, Recipe, bind, run_interpreted
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32,
           "int64": torch.int64}
@@ -148,7 +142,9 @@ def _launch_wrapped(plan: Launch, arrays, scalars) -> None:
     if getattr(_TRACING, "active", False):
         return
     kwargs = bind(plan, arrays, scalars)
-    with INTERPRETER_LOCK if INTERPRET else contextlib.nullcontext():
+    if INTERPRET:
+        run_interpreted(lambda: plan.kernel[plan.grid](**kwargs))
+    else:
         torch.library.wrap_triton(plan.kernel)[plan.grid](**kwargs, num_warps=plan.num_warps,
                                                           num_stages=plan.num_stages)
 
@@ -199,8 +195,7 @@ class _Launcher:
         plan = self.plan
         kwargs = bind(plan, arrays, self.scalars)
         if INTERPRET:
-            with INTERPRETER_LOCK:
-                plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            run_interpreted(lambda: plan.kernel[plan.grid](**kwargs))
             return
         with torch.cuda.device(device):
             binary = plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)

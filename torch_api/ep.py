@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torch_api.permute import generate_permute_indices, permute_rows, unpermute_rows
+from xkern.ep import check_dispatch, check_topk_range
 
 
 @dataclass
@@ -70,26 +71,36 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group
     handle)`: xp [max_len, H], one block per local expert of m_sizes[e] = roundup(max(n_e, alignment),
     alignment) rows (n_e = rows received for it, ordered by source rank, then (t, k)), zero rows at
     padding; m_offsets the inclusive cumsum (both int32, the layout of `generate_permute_indices`).
-    One host sync (the counts' `.tolist()`), which the row all-to-all's split sizes need.
+    One host sync (the counts' `.tolist()`), which the row all-to-all's split sizes need. Ids outside
+    [0, num_experts) on any rank: every rank raises ValueError (the ids' range travels with the counts, so
+    no rank is left waiting in the row all-to-all).
     """
     world = dist.get_world_size(group)
-    if num_experts % world:
-        raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {world}")
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"x must be [T, H] and topk_ids [T, K], got {list(x.shape)} and {list(topk_ids.shape)}")
+    ids_integer = not (topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool)
+    num_experts, alignment = check_dispatch(tuple(x.shape), tuple(topk_ids.shape), str(topk_ids.dtype), ids_integer,
+                                            num_experts, world, alignment)
     experts_local = num_experts // world
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     # Stable: within an expert, rows keep (t, k) order, so the layout is deterministic.
     order = torch.argsort(flat, stable=True)
-    send_counts = torch.bincount(flat, minlength=num_experts)  # [world * E_local], destination rank-major
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)  # recv[r * E_local + e]: from rank r
+    # Per destination rank: its experts' counts, then this rank's smallest and largest id (checked after the
+    # sync; the clamp only keeps bincount defined until then).
+    id_range = torch.stack([flat.min(), flat.max()]) if flat.numel() else flat.new_tensor([0, -1])
+    send_counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
+    send_table = torch.cat([send_counts.view(world, experts_local), id_range.expand(world, 2)], 1)
+    recv_table = torch.empty_like(send_table)
+    dist.all_to_all_single(recv_table, send_table, group=group)  # row r: from rank r
+    recv_counts = recv_table[:, :experts_local].reshape(-1)  # recv[r * E_local + e]: from rank r
     # The one host sync: split sizes (and the padded length) must be known on the host.
-    host = torch.cat([send_counts, recv_counts]).tolist()
-    send_splits = [sum(host[r * experts_local:(r + 1) * experts_local]) for r in range(world)]
-    recv_host = host[num_experts:]
-    recv_splits = [sum(recv_host[r * experts_local:(r + 1) * experts_local]) for r in range(world)]
+    host = torch.cat([send_table, recv_table]).tolist()
+    send_host, recv_table_host = host[:world], host[world:]
+    rank = dist.get_rank(group)
+    for r, row in enumerate(recv_table_host):
+        check_topk_range(row[-2], row[-1], num_experts, "" if r == rank else f" (on rank {r} of the group)")
+    send_splits = [sum(row[:experts_local]) for row in send_host]
+    recv_host = [c for row in recv_table_host for c in row[:experts_local]]
+    recv_splits = [sum(row[:experts_local]) for row in recv_table_host]
     per_expert = [sum(recv_host[r * experts_local + e] for r in range(world)) for e in range(experts_local)]
     max_len = sum(-(-max(n, alignment) // alignment) * alignment for n in per_expert)
 

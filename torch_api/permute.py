@@ -26,8 +26,8 @@ from torch_api._launch import (
 from xkern.launch import check_int
 from xkern.permute import (
     check_counts,
-    check_generate,
     check_index,
+    check_layout,
     check_permutation,
     check_rows,
     check_unpermute,
@@ -240,7 +240,8 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     """
     counts = tokens_per_expert_group
     _check_index("tokens_per_expert_group", counts)
-    check_generate(tuple(counts.shape), experts_per_rank, num_ranks, max_len, alignment)
+    experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
+                                                                   max_len, alignment)
     if validate:
         check_counts(counts.detach().cpu().numpy(), experts_per_rank, alignment, max_len)
     if eager(counts):

@@ -9,9 +9,15 @@ compile-time constant there, compiling other code than the torch launch).
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import ctypes.util
 import dataclasses
 import numbers
+import os
+import sys
 import threading
+import warnings
 from typing import Any
 
 # Programs a persistent kernel launches at most. Fixed (the H100/H200 SM count times a small occupancy
@@ -79,6 +85,18 @@ def check_int(name: str, n, minimum: int = 0) -> int:
     if n < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {n}")
     return int(n)
+# Kernels number rows, slots and tiles in int32 lanes (`program_id * BLOCK + lane`; a persistent program
+# also forms the tile after its last one): the most rows (or slots) a launch takes, with room for that
+# overshoot (at most 2**20 = (programs + 1) * BLOCK_M of any plan). Memory offsets are int64 everywhere.
+MAX_ROWS = 2**31 - 2**20
+INT32_MAX = 2**31 - 1
+
+
+def check_row_count(name: str, n: int, what: str = "rows") -> None:
+    """ValueError naming `name` unless `n` rows (or slots) fit the kernels' int32 row numbering."""
+    if n > MAX_ROWS:
+        raise ValueError(f"{name} has {n} {what}; the kernels number {what} in int32 and take at most "
+                         f"{MAX_ROWS}: split the call")
 
 
 def next_pow2(n: int) -> int:
@@ -101,16 +119,62 @@ def row_align(n_cols: int, *row_strides: int) -> int:
     return align
 
 
+# The CPU path: Triton's interpreter, which must be chosen before triton is first imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU path) is not thread-safe, and JAX runs host callbacks
-# on its own threads: every interpreted launch, from either front end, takes this lock.
+# on its own threads: every interpreted launch, from either front end, takes this lock (JAX's run on the
+# one interpreter thread, `run_interpreted`, which takes it there).
 INTERPRETER_LOCK = threading.Lock()
+_WORKER: concurrent.futures.ThreadPoolExecutor | None = None
+_WORKER_START = threading.Lock()
+
+
+def run_interpreted(fn, *args):
+    """`fn(*args)` (an interpreted launch) on the one interpreter thread, under INTERPRETER_LOCK.
+
+    The GPU never flushes subnormals, and is the reference. XLA:CPU runs host callbacks with FTZ and DAZ
+    set (MXCSR bits 15 and 6 on x86: fp32 subnormals in and out read as 0), and a thread inherits the floating
+    point environment of the thread that starts it; so the worker resets its own to the C default
+    (`fesetenv(FE_DFL_ENV)`: no flushing) before it runs anything."""
+    global _WORKER
+    if threading.current_thread().name.startswith("xkern-interpreter"):
+        with INTERPRETER_LOCK:
+            return fn(*args)
+    with _WORKER_START:
+        if _WORKER is None:
+            _WORKER = concurrent.futures.ThreadPoolExecutor(1, "xkern-interpreter", _default_fp_env)
+    return _WORKER.submit(_locked, fn, *args).result()
+
+
+def _locked(fn, *args):
+    with INTERPRETER_LOCK:
+        return fn(*args)
+
+
+def _default_fp_env() -> None:
+    """Clear flush-to-zero / denormals-are-zero on this thread (glibc's FE_DFL_ENV is `(fenv_t *) -1`)."""
+    import numpy as np
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6").fesetenv(ctypes.c_void_p(-1))
+        except (OSError, AttributeError):
+            pass
+    if np.float32(1e-40) * np.float32(1.0) == 0:
+        warnings.warn("xkern: the interpreter thread flushes fp32 subnormals to zero (could not reset its "
+                      "floating-point environment); CPU results on subnormal inputs differ from the GPU's",
+                      RuntimeWarning, stacklevel=1)
 
 
 def patch_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter (CPU runs of the kernels):
+    """Three fixes to Triton 3.6's interpreter (CPU runs of the kernels):
 
     - fp32 -> bf16 casts round to nearest even, as the GPU does (`cast_impl` ignores the rounding mode and
       truncates, which moves bf16 results by up to an ULP away from the GPU's).
+    - bf16 -> fp32 casts are exact for subnormals, as on the GPU (`_convert_float` renormalizes a
+      subnormal's significand with the wrong exponent: 126 of the 127 positive bf16 subnormals came out
+      wrong, some as 0). Every bf16 is an fp32 with 16 more zero bits, which is what ml_dtypes computes.
     - a scalar used as a loop bound converts with numpy >= 2.4 too (`int()` of a 1-element array, which
       numpy 2.4 refuses; the GPU image has it)."""
     import ml_dtypes
@@ -126,6 +190,9 @@ def patch_interpreter() -> None:
     def rounding_cast(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             data = src.data.astype(ml_dtypes.bfloat16).view(np.uint16)
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:  # bf16 is held as uint16 bits
+            data = src.data.view(ml_dtypes.bfloat16).astype(np.float32)
             return interpreter.TensorHandle(data, dst_type.scalar)
         return cast_impl(self, src, dst_type)
 
@@ -155,3 +222,7 @@ def bind(launch: Launch, arrays, scalars: dict) -> dict:
 def ordered_scalars(launch: Launch, scalars: dict) -> list:
     """The runtime scalars in the kernel's parameter order (they follow its inputs)."""
     return [scalars[name] for name in launch.kernel.arg_names if name in scalars]
+
+
+if INTERPRET:
+    patch_interpreter()

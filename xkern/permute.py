@@ -29,7 +29,20 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from xkern.launch import FLOATS, ITEMSIZE, Buffer, Launch, Recipe, Step, cdiv, check_int, next_pow2, row_align
+from xkern.launch import (
+    FLOATS,
+    INT32_MAX,
+    ITEMSIZE,
+    Buffer,
+    Launch,
+    Recipe,
+    Step,
+    cdiv,
+    check_int,
+    check_row_count,
+    next_pow2,
+    row_align,
+)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
@@ -251,15 +264,31 @@ def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...]) -> Non
         raise ValueError(f"y must have one row per slot of permuted_indices ({idx_shape[0]}), got {y_shape[0]}")
 
 
-def check_generate(counts_shape: tuple[int, ...], experts_per_rank, num_ranks, max_len, alignment) -> None:
-    """generate_permute_indices' scalar arguments (counts' dtype and rank: `check_index`)."""
-    if check_int("experts_per_rank", experts_per_rank) < 1 or check_int("num_ranks", num_ranks) < 1:
-        raise ValueError(f"experts_per_rank and num_ranks must be >= 1, got {experts_per_rank} and {num_ranks}")
-    check_int("max_len", max_len)
-    check_int("alignment", alignment, 1)
-    if counts_shape[0] != experts_per_rank * num_ranks:
+def check_layout(n_counts: int, experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
+    """generate_permute_indices' arguments, as ints. m_sizes, m_offsets and permuted_indices are int32 and
+    the kernels number slots in int32: every expert gets at least one block of `alignment` slots, so
+    `experts_per_rank * alignment` must fit int32 (else m_offsets would wrap), and max_len must fit the
+    slot numbering. (What the counts add up to is only known on the device: `check_counts`.)"""
+    experts_per_rank = check_int("experts_per_rank", experts_per_rank, 1)
+    num_ranks = check_int("num_ranks", num_ranks, 1)
+    max_len = check_int("max_len", max_len)
+    alignment = check_int("alignment", alignment, 1)
+    if n_counts != experts_per_rank * num_ranks:
         raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
-                         f"{experts_per_rank * num_ranks} entries, got {counts_shape[0]}")
+                         f"{experts_per_rank * num_ranks} entries, got {n_counts}")
+    check_row_count("max_len", max_len, "slots")
+    if experts_per_rank * alignment > INT32_MAX:
+        raise ValueError(f"alignment={alignment} is too large: experts_per_rank * alignment = "
+                         f"{experts_per_rank * alignment} slots (at least one aligned block per expert) must fit "
+                         f"the int32 m_offsets (<= {INT32_MAX})")
+    return experts_per_rank, num_ranks, max_len, alignment
+
+
+def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
+    """The gathers and the inverse number slots (len(permuted_indices)) and rows in int32 lanes."""
+    check_row_count("permuted_indices", n_slots, "slots")
+    if num_rows is not None:
+        check_row_count("num_rows", num_rows)
 
 
 def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
@@ -284,12 +313,14 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
 def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int) -> Recipe:
     """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots];
     result out [n_slots, n_cols] contiguous."""
+    check_gather_sizes(n_slots)
     return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
 
 
 @functools.lru_cache(maxsize=4096)
 def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
     """Input idx [n_slots]; result inv [num_rows] of idx's dtype."""
+    check_gather_sizes(n_slots, num_rows)
     return Recipe(_inverse_steps("idx", "inv", n_slots, num_rows, index_dtype), ("inv",))
 
 
@@ -298,6 +329,7 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
     n_cols]: the inverse permutation, then the gather through it."""
+    check_gather_sizes(n_slots, num_rows)
     steps = _inverse_steps("idx", "inv", n_slots, num_rows, index_dtype)
     steps += _gather_steps("y", "inv", "out", num_rows, n_cols, n_slots, dtype, src_row_stride)
     return Recipe(steps, ("out",))
@@ -351,13 +383,21 @@ def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indi
 
 
 def check_counts(counts: np.ndarray, experts_per_rank: int, alignment: int, max_len: int) -> None:
-    """validate=True for generate_permute_indices: counts >= 0 and every token gets a slot < max_len."""
+    """validate=True for generate_permute_indices: counts >= 0, their row numbers and the padded layout
+    fit int32 (permuted_indices, m_offsets), and every token gets a slot < max_len."""
     counts = np.asarray(counts).astype(np.int64).reshape(-1)
     neg = np.flatnonzero(counts < 0)
     if neg.size:
         raise ValueError(f"tokens_per_expert_group[{int(neg[0])}] = {int(counts[neg[0]])} is negative")
+    # Python ints from here: int64 sums of hostile counts could wrap too.
+    if sum(int(c) for c in counts) > INT32_MAX:
+        raise ValueError(f"tokens_per_expert_group sums to {sum(int(c) for c in counts)} rows; row numbers are "
+                         f"int32 (<= {INT32_MAX})")
     totals = counts.reshape(-1, experts_per_rank).sum(axis=0)
     sizes = -(-np.maximum(totals, alignment) // alignment) * alignment
+    if int(sizes.sum()) > INT32_MAX:
+        raise ValueError(f"tokens_per_expert_group with alignment={alignment} pads to {int(sizes.sum())} slots; "
+                         f"m_offsets are int32 (<= {INT32_MAX})")
     ends = np.cumsum(sizes) - sizes + totals  # one past each expert's last real row
     over = np.flatnonzero(ends > max_len)
     if over.size:

@@ -31,11 +31,23 @@ def promote(x_dtype, w_dtype) -> np.dtype:
     return x_dtype if x_dtype == w_dtype else np.dtype(np.float32)
 
 
+FP32_MAX = float(np.finfo(np.float32).max)
+
+
 def rms_norm_fwd(x, w, eps: float) -> np.ndarray:
-    """float64 y, the rounding of `normed.to(x.dtype)` applied; the caller compares in the output dtype."""
+    """float64 y, the rounding of `normed.to(x.dtype)` applied; the caller compares in the output dtype.
+
+    Statistics are FP32 in the contract (and in eager): a row whose sum of squares passes FP32's range has
+    mean inf there, so rstd 0 and y = w * (x * 0) (NaN where x or w is infinite). NaN and Inf inputs
+    propagate as in IEEE arithmetic."""
     x64 = np.asarray(x, np.float64)
-    rstd = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-    return np.asarray(w, np.float64) * _round(x64 * rstd, x.dtype)
+    if x64.shape[-1] == 0:
+        return x64 * np.asarray(w, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mean_sq = np.mean(x64 * x64, axis=-1, keepdims=True)
+        mean_sq = np.where(mean_sq * x64.shape[-1] > FP32_MAX, np.inf, mean_sq)
+        rstd = 1.0 / np.sqrt(mean_sq + eps)
+        return np.asarray(w, np.float64) * _round(x64 * rstd, x.dtype)
 
 
 def rms_norm_fwd_tol(x, w, eps: float) -> np.ndarray:

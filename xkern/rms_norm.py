@@ -49,6 +49,7 @@ from xkern.launch import (
     Recipe,
     Step,
     cdiv,
+    check_row_count,
     next_pow2,
     promote,
     row_align,
@@ -394,6 +395,8 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                       itemsize: int = 2) -> Launch:
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols);
     `itemsize` the largest element size of x and w in bytes."""
+    check_row_count("x", n_rows)  # the tile kernel numbers rows in int32
+    check_row_count("x", n_cols, "columns")
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     if n_cols > (MAX_FWD_BLOCK if itemsize <= 2 else MAX_FWD_BLOCK // 2):
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
@@ -425,6 +428,8 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
     (default: contiguous)."""
+    check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
+    check_row_count("x", n_cols, "columns")  # and the column-split kernels columns
     block_n = next_pow2(n_cols)
     fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
     stats = None

@@ -9,23 +9,17 @@ from __future__ import annotations
 import numpy as np
 
 from xkern import reference as R
-from xkern.launch import INTERPRETER_LOCK, Launch, bind
+from xkern.launch import INTERPRET, Launch, bind, run_interpreted
 
 
 def launch(plan: Launch, *arrays, **scalars) -> None:
     """Launch one plan directly on framework arrays (inputs, then outputs) and runtime scalars: for tests of
-    single kernels and for the tuning sweep. Under Triton's interpreter it takes the launch lock the front
-    ends take."""
-    import os
-
-    lock = INTERPRETER_LOCK if os.environ.get("TRITON_INTERPRET") == "1" else None
-    if lock:
-        lock.acquire()
-    try:
-        plan.kernel[plan.grid](**bind(plan, arrays, scalars), num_warps=plan.num_warps, num_stages=plan.num_stages)
-    finally:
-        if lock:
-            lock.release()
+    single kernels and for the tuning sweep. Under Triton's interpreter it runs as the front ends run it."""
+    kwargs = bind(plan, arrays, scalars)
+    if INTERPRET:
+        run_interpreted(lambda: plan.kernel[plan.grid](**kwargs))
+    else:
+        plan.kernel[plan.grid](**kwargs, num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def rand(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0, offset: float = 0.0) -> np.ndarray:
