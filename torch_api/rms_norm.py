@@ -106,8 +106,8 @@ class _Backward:
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": weight.shape})
 
     def __call__(self, dy, x, weight):
-        return self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
-                        dy.contiguous() if self.copy_dy else dy)
+        return tuple(self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
+                              dy.contiguous() if self.copy_dy else dy))
 
 
 _FORWARDS: dict = {}
@@ -116,7 +116,10 @@ _BACKWARDS: dict = {}
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
     key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps)
-    fwd = _FORWARDS.get(key)
+    try:
+        fwd = _FORWARDS.get(key)
+    except TypeError:  # an unhashable eps: the checks name it
+        fwd = None
     if fwd is None:
         fwd = _FORWARDS[key] = _Forward(x, weight, eps)
     return fwd(x, weight)
@@ -165,7 +168,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if needs_autograd(dy, x, weight):  # create_graph or torch.func: a node that refuses to differentiate
+        if needs_autograd(dy, x, weight):  # create_graph or torch.func: a differentiable node
             dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps)
         else:
             dx, dw = _backward_direct(dy, x, weight, ctx.eps)
@@ -193,7 +196,9 @@ _apply_rms_norm = fast_apply(_RMSNormFunction)
 
 
 class _RMSNormBackward(torch.autograd.Function):
-    """The joint backward as a graph node (create_graph, torch.func): it has no derivative of its own."""
+    """The joint backward as a graph node (create_graph, torch.func). Its own derivatives (double backward,
+    jvp of grad: Hessian-vector products) are taken through `_backward_math`, the same formula in torch
+    ops."""
 
     @staticmethod
     def forward(dy, x, weight, eps):
@@ -201,19 +206,33 @@ class _RMSNormBackward(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        dy, x, weight, eps = inputs
+        ctx.save_for_backward(dy, x, weight)
+        ctx.save_for_forward(dy, x, weight)
+        ctx.eps = eps
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(_NO_SECOND_ORDER)
+    def backward(ctx, ddx, ddw):
+        dy, x, weight = ctx.saved_tensors
+        _, vjp = torch.func.vjp(lambda *a: _backward_math(*a, ctx.eps), dy, x, weight)
+        return (*vjp((ddx, ddw)), None)
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_NO_SECOND_ORDER)
+    def jvp(ctx, tdy, tx, tw, _):
+        primals = ctx.saved_tensors
+        tangents = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, (tdy, tx, tw))]
+        return torch.func.jvp(lambda *a: _backward_math(*a, ctx.eps), primals, tuple(tangents))[1]
 
 
-_NO_SECOND_ORDER = ("xkern rms_norm has first derivatives only (backward and jvp): differentiating its "
-                    "backward (double backward, jvp of grad, Hessian-vector products) is not supported")
+def _backward_math(dy, x, weight, eps):
+    """The joint backward in torch ops, with the kernel's rounding points (differentiable)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * rstd
+    g = (dy.float() * weight.float()).to(x.dtype).float()
+    dx = (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
+    dw = (dy.float() * n.to(x.dtype).float()).to(dy.dtype).float().reshape(-1, x.shape[-1]).sum(0)
+    return dx, dw.to(weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
