@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
 from xkern.ep import check_dispatch, check_topk_range
-from xkern.launch import check_rows
+from xkern.launch import check_row_count
 from xkern.permute import check_int
 
 
@@ -55,7 +55,7 @@ def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, al
         tuple(x.shape), tuple(topk_ids.shape), str(topk_ids.dtype), jnp.issubdtype(topk_ids.dtype, jnp.integer),
         num_experts, world, alignment)
     capacity = check_int("capacity", capacity)
-    check_rows("capacity", world * capacity, "rows to send (world * capacity)")
+    check_row_count("capacity", world * capacity, "rows to send (world * capacity)")
     e_local = num_experts // world
     num_tokens, top_k = topk_ids.shape
     max_len = world * capacity + e_local * alignment if max_len is None else check_int("max_len", max_len)
