@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_api import sharding
 from jax_api._launch import call, map_batched, vary_like
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
 
@@ -35,13 +36,15 @@ def _fwd(x, weight, eps):
     return y.reshape(x.shape)
 
 
-def _bwd(dy, x, weight, eps, n_batch_dims):
-    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example)."""
+def _bwd(dy, x, weight, eps, n_batch_dims, dw_dtype=None):
+    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example), in
+    `dw_dtype` (default: weight's)."""
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
+    dw_dtype = dw_dtype or weight.dtype
     if x.size == 0:
-        return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, weight.dtype)
+        return jnp.zeros_like(x), jnp.zeros(batch_shape + weight.shape, dw_dtype)
     n_rows = x.size // n_cols // n_batch
     plan = plan_rms_norm_bwd(n_rows, n_cols, eps, n_batch=n_batch)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=n_cols, dy_row_stride=n_cols, dx_row_stride=n_cols)
@@ -51,7 +54,7 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
     dx, partial = call(plan.bwd, inputs,
                        [jax.ShapeDtypeStruct(inputs[0].shape, x.dtype),
                         jax.ShapeDtypeStruct((n_batch * plan.n_partials, n_cols), jnp.float32)], **scalars)
-    (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), weight.dtype)],
+    (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), dw_dtype)],
                  n_partials=plan.n_partials, n_cols=n_cols)
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
 
@@ -60,7 +63,7 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
 def _fwd_op(eps: float):
     @jax.custom_batching.custom_vmap
     def op(x, weight):
-        return _fwd(x, weight, eps)
+        return sharding.rms_norm_fwd(_fwd, eps, x.ndim)(x, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, weight):
@@ -76,7 +79,7 @@ def _fwd_op(eps: float):
 def _bwd_op(eps: float, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
-        return _bwd(dy, x, weight, eps, n_batch_dims)
+        return tuple(sharding.rms_norm_bwd(_bwd, eps, x.ndim, n_batch_dims)(dy, x, weight))
 
     @op.def_vmap
     def _(axis_size, in_batched, dy, x, weight):
