@@ -31,7 +31,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_api._launch import _varying, call, host_custom_call
+from jax_api._launch import _varying, call, host_custom_call, vary_like
 from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
 
@@ -143,7 +143,7 @@ def _fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
     sums, norm = plan_rms_norm_fwd_width_sharded(n_rows, n_cols, eps)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, n_total=n_total, x_row_stride=n_cols, y_row_stride=n_cols)
     (sum_sq,) = call(sums, [x2], [jax.ShapeDtypeStruct((n_rows,), jnp.float32)], **scalars)
-    sum_sq = jax.lax.psum(sum_sq, hidden)
+    sum_sq = jax.lax.psum(vary_like(sum_sq, x), hidden)
     (y,) = call(norm, [x2, w, sum_sq], [jax.ShapeDtypeStruct(x2.shape, out_dtype)], **scalars)
     return y.reshape(x.shape)
 
@@ -162,7 +162,7 @@ def _bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, 
     inputs = [x.reshape(-1, n_cols), w, dy.reshape(-1, n_cols)]
     stats_type = jax.ShapeDtypeStruct((n_batch * n_rows, 2), jnp.float32)
     (sums,) = call(plan.sums, inputs, [stats_type], **scalars)
-    sums = jax.lax.psum(sums, hidden)
+    sums = jax.lax.psum(vary_like(sums, x), hidden)
     (stats,) = call(plan.finish, [sums], [stats_type], **scalars)
     dx, partial = call(plan.bwd, inputs + [stats],
                        [jax.ShapeDtypeStruct(inputs[0].shape, x.dtype),
@@ -171,6 +171,49 @@ def _bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, 
     (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), jnp.float32)],
                  n_partials=plan.n_partials, n_cols=n_cols)
     return dx.reshape(x.shape), dw.reshape(batch_shape + (n_cols,))
+
+
+# Inside shard_map the arrays are already per-shard, so a split hidden dim must be named:
+
+
+def rms_norm_tp(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, axis_name) -> jax.Array:
+    """`jax_api.rms_norm` inside `jax.shard_map` (check_vma=True) where x's last dim is split over the mesh
+    axes `axis_name` (a name or a tuple): x [..., N/shards], weight [N/shards], this shard's columns. One
+    psum of the [rows] sums over `axis_name`; x is never gathered. dw: this shard's columns, summed over
+    the other axes x varies over (fp32 psum, then w's dtype). Under `jax.jit` without shard_map, plain
+    `jax_api.rms_norm` does this by itself for an x whose last dim is sharded."""
+    from jax_api.rms_norm import rms_norm
+
+    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (x, weight)):
+        rms_norm(x, weight, eps)  # raises the TypeError naming the argument
+    # rms_norm's argument checks, on shapes only (nothing runs)
+    jax.eval_shape(lambda a, b: rms_norm(a, b, eps), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, weight)))
+    axes = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(axes, tuple) or not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+    return _rms_norm_tp(axes, float(eps), x, weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rms_norm_tp(axes, eps, x, weight):
+    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+    return vary_like(_fwd_width_sharded(axes, n_total, eps, x, weight), x)
+
+
+def _rms_norm_tp_fwd(axes, eps, x, weight):
+    return _rms_norm_tp(axes, eps, x, weight), (x, weight)
+
+
+def _rms_norm_tp_bwd(axes, eps, residuals, dy):
+    x, weight = residuals
+    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+    dx, dw = _bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
+    row_axes = tuple(sorted(_varying(x) - _varying(weight) - set(axes)))
+    dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
+    return vary_like(dx, x), dw.astype(weight.dtype)
+
+
+_rms_norm_tp.defvjp(_rms_norm_tp_fwd, _rms_norm_tp_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
