@@ -10,12 +10,12 @@ puts it. It is used only for the per-shard functions of `jax_api.sharding`; else
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import threading
 
 import jax
-import ml_dtypes
 import numpy as np
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
@@ -50,11 +50,17 @@ def _entry(out, ins, opaque, opaque_len, status):
         results = run(*inputs)
         for o, r in zip(outs, results):
             o[...] = r
-    except BaseException:  # an exception cannot cross the C boundary: report and fail loudly
+    except BaseException:
+        # An exception cannot cross the C boundary (ctypes would print it and carry on with garbage outputs)
+        # and XLA's status setter is not exported: report it and end the process, loudly.
+        import os
+        import sys
         import traceback
 
         traceback.print_exc()
-        raise SystemExit(1)
+        print("xkern: a kernel launch failed inside a partitioned CPU computation (see above); exiting",
+              file=sys.stderr, flush=True)
+        os._exit(70)
 
 
 _ENTRY = _ABI(_entry)
@@ -64,6 +70,18 @@ _ENTRY = _ABI(_entry)
 def _register() -> None:
     capsule = jax.ffi.pycapsule(ctypes.cast(_ENTRY, ctypes.c_void_p).value)
     jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu", api_version=0)
+
+
+@atexit.register
+def _drain() -> None:
+    """Finish pending computations before the interpreter shuts down: a custom call that runs then would
+    wait for the GIL forever (and the shutdown for it). Registered after jax's own exit hook, so runs first."""
+    if _LAUNCHES:
+        for array in jax.live_arrays():
+            try:
+                array.block_until_ready()
+            except Exception:  # deleted or failed arrays: nothing pending
+                pass
 
 
 host_call_p = core.Primitive("xkern_host_call")

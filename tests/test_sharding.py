@@ -37,7 +37,7 @@ GATHER_CASES = {
     "gather rows and hidden 2d": ("2d", ("data", "model"), ("data",), True),
 }
 CHECKS = ["fwd", "grad", "vmap", "remat"]
-CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["index ops"]
+CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["index ops", "readme step"]
 
 
 @functools.cache
@@ -226,6 +226,17 @@ def _check_all(n_devices: int) -> dict:
         same(inv(idx), inv(one_idx[:16]), "inverse_permutation")
 
     case("index ops", index_ops)
+
+    def readme_step():  # the README's sharded step; its results are left pending: the process must still exit
+        import re
+
+        readme = (ROOT / "README.md").read_text()
+        ns: dict = {}
+        exec(re.findall(r"```python\n(.*?)```", readme[readme.index("<!-- section: sharding -->"):], re.S)[0], ns)
+        sharded_like(ns["dx"], ns["x"].sharding, "dx")
+        sharded_like(ns["dw"], ns["w"].sharding, "dw")
+
+    case("readme step", readme_step)
     return report
 
 
