@@ -92,9 +92,9 @@ host_call_p.def_abstract_eval(lambda *avals, key, out_avals: list(out_avals))
 
 def _lowering(ctx, *args, key, out_avals):
     _register()
-    layouts = lambda avals: [tuple(range(len(a.shape) - 1, -1, -1)) for a in avals]  # noqa: E731 row-major
-    op = mlir.custom_call(_TARGET, result_types=[mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals], operands=list(args),
-                          backend_config=key, api_version=3, has_side_effect=False,
+    layouts = lambda avals: [tuple(range(len(a.shape) - 1, -1, -1)) for a in avals]  # row-major
+    op = mlir.custom_call(_TARGET, result_types=[mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals],
+                          operands=list(args), backend_config=key, api_version=3,  # "status returning, unified"
                           operand_layouts=layouts(ctx.avals_in), result_layouts=layouts(out_avals))
     return op.results
 

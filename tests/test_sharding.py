@@ -42,8 +42,14 @@ CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) +
 
 @functools.cache
 def _report(n_devices: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu",
-               TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    """n_devices CPU devices (the interpreter), or with 0 every GPU (compiled kernels, jax-triton)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if n_devices:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu",
+                   TRITON_INTERPRET="1", PYTHONPATH=path)
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
+        env.update(PYTHONPATH=path, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     run = subprocess.run([sys.executable, __file__, "check", str(n_devices)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
@@ -54,6 +60,18 @@ def _report(n_devices: int) -> dict:
 @pytest.mark.parametrize("n_devices", [4, 8])
 def test_sharded(n_devices, case):
     assert _report(n_devices)[case] == "ok"
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif("_gpu_count() < 2", reason="needs 2 or more GPUs")
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_gpus(case):
+    assert _report(0)[case] == "ok"
 
 
 def test_rms_norm_tp_checks_its_arguments():
@@ -103,6 +121,8 @@ def _check_all(n_devices: int) -> dict:
     import jax_api
     from xkern import reference as R
 
+    if n_devices == 0:  # every GPU
+        n_devices = len(jax.devices())
     assert len(jax.devices()) == n_devices, jax.devices()
     meshes = {k: Mesh(np.array(jax.devices()).reshape(shape), names) for k, (shape, names) in
               ((k, f(n_devices)) for k, f in MESHES.items())}
@@ -128,7 +148,8 @@ def _check_all(n_devices: int) -> dict:
         assert a.sharding.is_equivalent_to(sharding, a.ndim), f"{what}: {a.sharding} instead of {sharding}"
 
     eps = 1e-6
-    for name, (mesh_name, spec, x_dtype, w_dtype) in NORM_CASES.items():
+
+    def norm_case(name, mesh_name, spec, x_dtype, w_dtype):
         mesh = meshes[mesh_name]
         width_sharded = spec[-1] is not None
         y_dtype = str(R.promote(R.np_dtype(x_dtype), R.np_dtype(w_dtype)))
@@ -189,9 +210,12 @@ def _check_all(n_devices: int) -> dict:
         for check, fn in zip(CHECKS, (fwd, grads, vmapped, remat)):
             case(f"{name}: {check}", fn)
 
+    for name, params in NORM_CASES.items():
+        norm_case(name, *params)
+
     counts0 = np.array([3, 1, 2, 2, 0, 4, 1, 3], np.int32)  # 2 ranks x 4 experts, 16 rows
     one_idx = jax_api.generate_permute_indices(jnp.asarray(counts0), 4, 2, 24, 4)[0]
-    for name, (mesh_name, spec, idx_spec, gathers) in GATHER_CASES.items():
+    def gather_case(name, mesh_name, spec, idx_spec, gathers):
         mesh = meshes[mesh_name]
         x0 = rng.standard_normal((16, 64)).astype(np.float32)
         x_sh = NamedSharding(mesh, P(*spec))
@@ -201,7 +225,7 @@ def _check_all(n_devices: int) -> dict:
             y = jax_api.permute_rows(x, idx)
             return jnp.sum(jnp.sin(jax_api.unpermute_rows(y * 2.0, idx, 16)))
 
-        def gather(x=x, idx=idx, x_sh=x_sh, gathers=gathers, mesh=mesh, spec=spec, idx_spec=idx_spec):
+        def gather():
             f = jax.jit(jax_api.permute_rows)
             g = jax.jit(jax.grad(loss))
             out, dx = f(x, idx), g(x, idx)
@@ -214,6 +238,9 @@ def _check_all(n_devices: int) -> dict:
             sharded_like(out, NamedSharding(mesh, P(idx_spec[0], spec[1])), "permute_rows")
 
         case(name, gather)
+
+    for name, params in GATHER_CASES.items():
+        gather_case(name, *params)
 
     def index_ops():
         mesh = meshes["1d"]
