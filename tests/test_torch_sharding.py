@@ -5,6 +5,8 @@
   gradient match the same block with eager norms on one rank.
 - FSDP2 (`fully_shard`) of a small model with xkern norms: one SGD step matches the eager-norm model's.
 - The gathers on DTensors: hidden-sharded and index-sharded, equal to the plain tensors' results.
+- RMSNorm on a DTensor sharded on the hidden dim (1-D mesh, and rows x width on a 2-D mesh): no all-gather,
+  y, dx and dw within the contract of the FP64 oracle.
 Each world size runs in one child process that spawns its ranks (rank 0 prints one line per case).
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["tp block", "fsdp2", "gathers"]
+CASES = ["tp block", "fsdp2", "gathers", "width sharded"]
 DIM, HEADS, SEQ, BATCH, EPS = 32, 4, 8, 2, 1e-6
 
 
@@ -196,6 +198,40 @@ def _gathers(rank: int, world: int, mesh) -> None:
         assert torch.equal(back.full_tensor(), x.detach()), f"unpermute_rows, x {x_place}, idx {idx_place}"
 
 
+def _width_sharded(rank: int, world: int, mesh) -> None:
+    import torch
+    from helpers import to_numpy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import torch_api
+    from xkern import reference as R
+
+    meshes = [(mesh, [Shard(2)])]
+    if world == 4:
+        meshes.append((init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(2)]))  # rows x width
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(4)
+        x, dy = torch.randn(2, 4, 8 * world).to(dtype), torch.randn(2, 4, 8 * world).to(dtype)
+        w = (1 + 0.5 * torch.randn(8 * world)).to(dtype)
+        want_y = R.rms_norm_fwd(to_numpy(x), to_numpy(w), EPS)
+        want_dx, want_dw, dw_tol = R.rms_norm_bwd(to_numpy(x), to_numpy(w), to_numpy(dy), EPS)
+        for m, places in meshes:
+            xd = distribute_tensor(x, m, places).requires_grad_()
+            w_places = [Shard(0) if p == Shard(2) else Replicate() for p in places]  # w split like the width
+            wd = distribute_tensor(w, m, w_places).requires_grad_()
+            with CommDebugMode() as comms:
+                y = torch_api.rms_norm(xd, wd, EPS)
+                y.backward(distribute_tensor(dy, m, places))
+            counts = {str(k): v for k, v in comms.get_comm_counts().items()}
+            assert not any("gather" in k for k in counts), f"{places}: {counts}"
+            assert y.placements == tuple(places), y.placements
+            R.check(to_numpy(y.full_tensor()), want_y, "fwd", R.rms_norm_fwd_tol(to_numpy(x), to_numpy(w), EPS))
+            R.check(to_numpy(xd.grad.full_tensor()), want_dx, "dx")
+            R.check(to_numpy(wd.grad.full_tensor()), want_dw, "dw", abs_ok=dw_tol)
+
+
 def _rank(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -203,7 +239,7 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     report = {}
-    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers)):
+    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded)):
         try:
             fn(rank, world, mesh)
             report[name] = "ok"
@@ -219,6 +255,7 @@ def _rank(rank: int, world: int, init_file: str) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
+    sys.path.insert(0, str(ROOT / "tests"))  # helpers, in the spawned ranks too (they inherit sys.path)
     world = int(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(world, os.path.join(tmp, "init")), nprocs=world)
