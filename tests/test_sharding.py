@@ -105,6 +105,9 @@ def test_sharded_step_exports_for_cuda():
         "_rms_norm_fwd_sums_kernel", "_rms_norm_fwd_rstd_kernel", "_rms_norm_bwd_sums_kernel",
         "_rms_norm_bwd_finish_kernel", "_rms_norm_bwd_cols_kernel", "_dw_reduce_kernel",
         "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"])
+    assert found["same as torch"] == sorted([
+        "_rms_norm_fwd_sums_kernel", "_rms_norm_fwd_rstd_kernel", "_rms_norm_bwd_sums_kernel",
+        "_rms_norm_bwd_finish_kernel", "_rms_norm_bwd_cols_kernel", "_dw_reduce_kernel"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,7 +300,30 @@ def _export() -> dict:
         exported = jax.export.export(step, platforms=["cuda"], disabled_checks=checks)(*args)
     from test_export_cuda import _kernels  # this file's directory is on sys.path: run as a script
 
-    return {"devices": exported.nr_devices, "kernels": _kernels(exported.mlir_module())}
+    return {"devices": exported.nr_devices, "kernels": _kernels(exported.mlir_module()),
+            "same as torch": _torch_parity(exported.mlir_module())}
+
+
+def _torch_parity(module_text: str) -> list[str]:
+    """The width-sharded kernels whose PTX torch_api's DTensor path (torch_api/sharding.py) compiles for the
+    same shard (4 x 32 bf16, the whole width 64) as the exported JAX step holds: bitwise-equal results."""
+    import torch
+    from test_launch_parity import _ptx_from_export, _torch_ptx
+
+    from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
+
+    jax_ptx = _ptx_from_export(module_text)
+    meta = lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    x, w, sum_sq, sums = meta((4, 32), torch.bfloat16), meta((32,), torch.bfloat16), meta((4,)), meta((4, 2))
+    fwd_sums, norm = plan_rms_norm_fwd_width_sharded(4, 32, 1e-6, (32, 32))
+    bwd = plan_rms_norm_bwd_width_sharded(4, 32, 1e-6, (32, 32, 32))
+    partial = meta((bwd.n_partials, 32))
+    scalars = dict(n_rows=4, n_cols=32, n_total=64, x_row_stride=32, y_row_stride=32, dy_row_stride=32,
+                   dx_row_stride=32, n_partials=bwd.n_partials)
+    launches = [(fwd_sums, [x, sum_sq]), (norm, [x, w, sum_sq, x]), (bwd.sums, [x, w, x, sums]),
+                (bwd.finish, [sums, sums]), (bwd.bwd, [x, w, x, sums, x, partial]), (bwd.reduce, [partial, meta(32)])]
+    return sorted(plan.kernel.fn.__name__ for plan, arrays in launches
+                  if _torch_ptx(plan, arrays, scalars) in jax_ptx.get(plan.kernel.fn.__name__, []))
 
 
 if __name__ == "__main__":

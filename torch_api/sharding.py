@@ -17,9 +17,10 @@ input whose placement is not among them, e.g. all-gathers it):
 A width-sharded x (Shard on the last dim: tensor parallel over the hidden dim) takes its own path, as in
 jax_api/sharding.py: each rank sums its columns of each row, one fp32 all-reduce of those [rows] sums over
 the mesh dims that split the width, then each rank finishes its columns (the width-sharded kernels at the
-end of xkern/rms_norm.py). x is never gathered; w and dw are sharded like the width, dw `Partial` over the
-mesh dims that shard the rows. It is a DTensor op handler (`_custom_op_handlers`, which torch's own
-`loss_parallel` uses) on rms_norm_fwd and rms_norm_bwd that hands every other placement to the strategies.
+end of xkern/rms_norm.py). x is never gathered; w and dw are sharded like the width; dw is summed in fp32
+over the mesh dims that shard the rows (one all-reduce), then rounded once to w's dtype: the rounding of
+jax_api's path. It is a DTensor op handler (`_custom_op_handlers`, which torch's own `loss_parallel` uses)
+on rms_norm_fwd and rms_norm_bwd that hands every other placement to the strategies.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def _rms_norm_bwd_handler(op_call, args, kwargs):
     x2, dy2 = rows_view("x", xl), rows_view("dy", dyl)
     n_rows = x2.shape[0]
     dx = torch.empty(xl.shape, dtype=xl.dtype, device=xl.device)
-    dw = torch.zeros(n_cols, dtype=wl.dtype, device=xl.device)
+    dw = torch.zeros(n_cols, dtype=torch.float32, device=xl.device)
     if x2.numel():
         plan = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
         scalars = dict(n_rows=n_rows, n_cols=n_cols, n_total=x.shape[-1], x_row_stride=x2.stride(0),
@@ -163,10 +164,11 @@ def _rms_norm_bwd_handler(op_call, args, kwargs):
         partial = torch.empty((plan.n_partials, n_cols), dtype=torch.float32, device=xl.device)
         launch(plan.bwd, x2, wl, dy2, stats, dx, partial, **scalars)
         launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=n_cols)
-    # dw: this rank's rows; summed (Partial) over the mesh dims that shard the rows
-    dw_places = [p if i in width else (Partial() if isinstance(x.placements[i], Shard) else Replicate())
-                 for i, p in enumerate(w_places)]
-    return (_dtensor(dx, mesh, x.placements, x.shape), _dtensor(dw, mesh, dw_places, weight.shape))
+    # dw of this rank's rows, in fp32, summed over the mesh dims that shard the rows, then w's dtype once
+    # (as jax_api's width-sharded path)
+    rows = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and i not in width]
+    dw = _all_reduce(dw, mesh, rows).to(wl.dtype)
+    return (_dtensor(dx, mesh, x.placements, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
 
 
 DTensor._op_dispatcher._custom_op_handlers.update({_ops.rms_norm_fwd.default: _rms_norm_fwd_handler,
