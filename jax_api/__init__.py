@@ -3,6 +3,7 @@
 from jax_api.ep import ep_combine, ep_dispatch
 from jax_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from jax_api.rms_norm import rms_norm
+from jax_api.sharding import rms_norm_tp
 
 __all__ = [
     "ep_combine",
@@ -11,5 +12,6 @@ __all__ = [
     "inverse_permutation",
     "permute_rows",
     "rms_norm",
+    "rms_norm_tp",
     "unpermute_rows",
 ]

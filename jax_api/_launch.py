@@ -18,6 +18,7 @@ import numpy as np
 from xkern.launch import INTERPRET, Launch, Recipe, bind, ordered_scalars, run_interpreted
 
 _FORCE_GPU = False  # set by gpu_lowering(): take the jax-triton branch on any backend
+_HOST_CALL = False  # set by host_custom_call(): the CPU path as a custom call (jax_api/_host_call.py)
 
 
 @contextlib.contextmanager
@@ -50,14 +51,30 @@ def execute(recipe: Recipe, **inputs) -> list[jax.Array]:
     return [env[n] for n in recipe.results]
 
 
+@contextlib.contextmanager
+def host_custom_call():
+    """Trace the CPU path as `jax_api._host_call.host_call` instead of `jax.pure_callback`: for functions
+    lowered while XLA partitions (custom_partitioning), where a pure_callback has no callback to call."""
+    global _HOST_CALL
+    saved, _HOST_CALL = _HOST_CALL, True
+    try:
+        yield
+    finally:
+        _HOST_CALL = saved
+
+
 def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
     """Launch `plan` on `inputs`, returning new arrays shaped like `out_types` (ShapeDtypeStructs)."""
     if jax.default_backend() == "cpu" and not _FORCE_GPU:
         if not INTERPRET:
             raise RuntimeError("jax_api runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 "
                                "before triton is first imported")
-        return list(jax.pure_callback(functools.partial(_interpret, plan, out_types, scalars),
-                                      list(out_types), *inputs))
+        run = functools.partial(_interpret, plan, out_types, scalars)
+        if _HOST_CALL:
+            from jax_api._host_call import host_call
+
+            return list(host_call(run, inputs, out_types))
+        return list(jax.pure_callback(run, list(out_types), *inputs))
     jt = _jax_triton()
     # jax-triton 0.3.x calls the outputs `out_shape`, 0.4.x `out_type`.
     key = "out_shape" if jt.__version__.startswith("0.3") else "out_type"

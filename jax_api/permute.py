@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like
 from xkern import permute as contract
 from xkern.launch import check_int
@@ -28,7 +29,7 @@ def _gather(x, idx, n_out: int):
 def _gather_op(n_out: int):
     @jax.custom_batching.custom_vmap
     def op(x, idx):
-        return _gather_kernel(x, idx, n_out)
+        return sharding.gather_rows(_gather_kernel)(x, idx)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, idx):
@@ -53,9 +54,11 @@ def _inverse(idx, num_rows: int):
 
 @functools.cache
 def _inverse_op(num_rows: int):
+    kernel = sharding.replicated(lambda idx: _inverse_kernel(idx, num_rows), 1, (1,), (1,))
+
     @jax.custom_batching.custom_vmap
     def op(idx):
-        return _inverse_kernel(idx, num_rows)
+        return kernel(idx)
 
     op.def_vmap(lambda axis_size, in_batched, idx: (map_batched(op, axis_size, in_batched, idx), True))
     return op
@@ -155,9 +158,12 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
 
 @functools.cache
 def _generate_op(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
+    kernels = sharding.replicated(lambda c: _generate_kernels(c, experts_per_rank, num_ranks, max_len, alignment),
+                                  1, (1,), (1, 1, 1))
+
     @jax.custom_batching.custom_vmap
     def op(counts):
-        return _generate_kernels(counts, experts_per_rank, num_ranks, max_len, alignment)
+        return tuple(kernels(counts))
 
     op.def_vmap(lambda axis_size, in_batched, counts: (map_batched(op, axis_size, in_batched, counts),
                                                          (True, True, True)))

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
@@ -25,13 +26,15 @@ def _fwd(x, weight, eps):
     return y.reshape(x.shape)
 
 
-def _bwd(dy, x, weight, eps, n_batch_dims):
-    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example)."""
+def _bwd(dy, x, weight, eps, n_batch_dims, dw_dtype=None):
+    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example), in
+    `dw_dtype` (default: weight's)."""
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
     n_rows = math.prod(x.shape[n_batch_dims:-1])
-    recipe = rms_norm_bwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name, n_batch=n_batch)
+    recipe = rms_norm_bwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name, n_batch=n_batch,
+                                 dw_dtype=None if dw_dtype is None else jnp.dtype(dw_dtype).name)
     flat = (n_batch * n_rows, n_cols)
     dx, dw = execute(recipe, x=x.reshape(flat), w=weight, dy=dy.reshape(flat))
     return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
@@ -41,7 +44,7 @@ def _bwd(dy, x, weight, eps, n_batch_dims):
 def _fwd_op(eps: float):
     @jax.custom_batching.custom_vmap
     def op(x, weight):
-        return _fwd(x, weight, eps)
+        return sharding.rms_norm_fwd(_fwd, eps, x.ndim)(x, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, weight):
@@ -57,7 +60,7 @@ def _fwd_op(eps: float):
 def _bwd_op(eps: float, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
-        return _bwd(dy, x, weight, eps, n_batch_dims)
+        return tuple(sharding.rms_norm_bwd(_bwd, eps, x.ndim, n_batch_dims)(dy, x, weight))
 
     @op.def_vmap
     def _(axis_size, in_batched, dy, x, weight):

@@ -1,9 +1,14 @@
 """PyTorch front end of xkern: autograd-aware ops registered with torch.library."""
 
+import torch
+
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.hf import replace_rms_norm
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
+
+if torch.distributed.is_available():
+    import torch_api.sharding  # noqa: F401  (DTensor sharding strategies of the xkern ops)
 
 __all__ = [
     "EPHandle",

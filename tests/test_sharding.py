@@ -1,0 +1,330 @@
+"""The jax_api ops under `jax.jit` with sharded inputs (jax_api/sharding.py), on 4 and 8 CPU devices.
+
+Each device count runs in one child process (XLA_FLAGS must be set before jax initialises), which checks
+every case and reports one line per case; the tests here read that report. Per case: outputs keep x's
+sharding, the compiled HLO has no all-gather where none is needed, and the results equal one device's:
+y and dx bit for bit where rows are sharded, within the contract (xkern.reference.check) where the width
+is, dw within the contract; under grad, vmap and remat. A second child exports a sharded step for CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = {"1d": lambda n: ((n,), ("d",)), "2d": lambda n: ((2, n // 2), ("data", "model"))}
+# RMSNorm cases: (mesh, x's PartitionSpec over [batch 2, seq 8, hidden 64], x dtype, w dtype)
+NORM_CASES = {
+    "rows 1d": ("1d", (None, "d", None), "bfloat16", "bfloat16"),
+    "width 1d": ("1d", (None, None, "d"), "bfloat16", "bfloat16"),
+    "rows 2d": ("2d", ("data", "model", None), "float16", "float32"),
+    "rows over 2 axes": ("2d", (None, ("data", "model"), None), "float32", "float32"),
+    "rows and width 2d": ("2d", (None, "data", "model"), "bfloat16", "bfloat16"),
+}
+# Gather cases: (mesh, x's spec over [rows 16, hidden 64], the indices' spec, whether all-gathers are needed)
+GATHER_CASES = {
+    "gather hidden 1d": ("1d", (None, "d"), (None,), False),
+    "gather hidden 2d": ("2d", (None, "model"), (None,), False),
+    "gather rows 1d": ("1d", ("d", None), ("d",), True),
+    "gather rows and hidden 2d": ("2d", ("data", "model"), ("data",), True),
+}
+CHECKS = ["fwd", "grad", "vmap", "remat"]
+CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["index ops", "readme step"]
+
+
+@functools.cache
+def _report(n_devices: int) -> dict:
+    """n_devices CPU devices (the interpreter), or with 0 every GPU (compiled kernels, jax-triton)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if n_devices:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu",
+                   TRITON_INTERPRET="1", PYTHONPATH=path)
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
+        env.update(PYTHONPATH=path, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    run = subprocess.run([sys.executable, __file__, "check", str(n_devices)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n_devices", [4, 8])
+def test_sharded(n_devices, case):
+    assert _report(n_devices)[case] == "ok"
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif("_gpu_count() < 2", reason="needs 2 or more GPUs")
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_gpus(case):
+    assert _report(0)[case] == "ok"
+
+
+def test_rms_norm_tp_checks_its_arguments():
+    import jax.numpy as jnp
+
+    import jax_api
+
+    x, w = jnp.ones((2, 8), jnp.float32), jnp.ones((8,), jnp.float32)
+    with pytest.raises(TypeError, match="axis_name"):
+        jax_api.rms_norm_tp(x, w, axis_name=3)
+    with pytest.raises(ValueError, match="weight"):
+        jax_api.rms_norm_tp(x, jnp.ones((4,), jnp.float32), axis_name="model")
+    with pytest.raises(TypeError, match="x must be"):
+        jax_api.rms_norm_tp([1.0], w, axis_name="model")
+
+
+def test_sharded_step_exports_for_cuda():
+    missing = [pkg for pkg, mod in (("jax-triton", "jax_triton"), ("jax-cuda13-plugin", "jax_cuda13_plugin"))
+               if importlib.util.find_spec(mod) is None]
+    assert not missing, f"not installed: {', '.join(missing)} (CI needs them for this check: scripts/setup.sh)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, __file__, "export"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-6000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["devices"] == 4
+    # forward and backward of both norms (the width-sharded one: sums, norm; sums, finish, cols, reduce)
+    assert found["kernels"] == sorted([
+        "_rms_norm_fwd_sums_kernel", "_rms_norm_fwd_rstd_kernel", "_rms_norm_bwd_sums_kernel",
+        "_rms_norm_bwd_finish_kernel", "_rms_norm_bwd_cols_kernel", "_dw_reduce_kernel",
+        "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dw_reduce_kernel"])
+    assert found["same as torch"] == sorted([
+        "_rms_norm_fwd_sums_kernel", "_rms_norm_fwd_rstd_kernel", "_rms_norm_bwd_sums_kernel",
+        "_rms_norm_bwd_finish_kernel", "_rms_norm_bwd_cols_kernel", "_dw_reduce_kernel"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The children
+
+
+def _check_all(n_devices: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_api
+    from xkern import reference as R
+
+    if n_devices == 0:  # every GPU
+        n_devices = len(jax.devices())
+    assert len(jax.devices()) == n_devices, jax.devices()
+    meshes = {k: Mesh(np.array(jax.devices()).reshape(shape), names) for k, (shape, names) in
+              ((k, f(n_devices)) for k, f in MESHES.items())}
+    rng = np.random.default_rng(n_devices)
+    report = {}
+
+    def case(name, fn):
+        try:
+            fn()
+            report[name] = "ok"
+        except Exception as e:  # one line per failing case, the others still run
+            report[name] = f"{type(e).__name__}: {e}"[:2000]
+
+    def no_all_gather(f, *args):
+        hlo = f.lower(*args).compile().as_text()
+        assert "all-gather" not in hlo, "all-gather in the compiled HLO"
+
+    def same(a, b, what):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{what} differs"
+
+    def sharded_like(a, sharding, what):
+        assert a.sharding.is_equivalent_to(sharding, a.ndim), f"{what}: {a.sharding} instead of {sharding}"
+
+    eps = 1e-6
+
+    def norm_case(name, mesh_name, spec, x_dtype, w_dtype):
+        mesh = meshes[mesh_name]
+        width_sharded = spec[-1] is not None
+        y_dtype = str(R.promote(R.np_dtype(x_dtype), R.np_dtype(w_dtype)))
+        x0 = (rng.standard_normal((2, 8, 64))).astype(R.np_dtype(x_dtype))
+        w0 = (1 + 0.5 * rng.standard_normal(64)).astype(R.np_dtype(w_dtype))
+        dy0 = rng.standard_normal((2, 8, 64)).astype(R.np_dtype(y_dtype))
+        x_sh, w_sh = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(spec[-1]))
+        x, w, dy = (jax.device_put(a, s) for a, s in ((x0, x_sh), (w0, w_sh), (dy0, x_sh)))
+        one = [jnp.asarray(a) for a in (x0, w0, dy0)]  # one device
+
+        def loss(x, w, dy):
+            return jnp.sum(jax_api.rms_norm(x, w, eps).astype(jnp.float32) * dy.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        rdx, rdw, dw_tol = R.rms_norm_bwd(x0, w0, dy0, eps)
+
+        def close_or_same(got, want, ref64, kind, abs_ok=None):
+            if width_sharded:
+                R.check(np.asarray(got), ref64, kind, abs_ok)
+            else:
+                same(got, want, kind)
+
+        def fwd():
+            f = jax.jit(lambda x, w: jax_api.rms_norm(x, w, eps))
+            y = f(x, w)
+            sharded_like(y, x_sh, "y")
+            no_all_gather(f, x, w)
+            close_or_same(y, f(*one[:2]), R.rms_norm_fwd(x0, w0, eps), "fwd", R.rms_norm_fwd_tol(x0, w0, eps))
+
+        def grads():
+            dx, dw = grad(x, w, dy)
+            sharded_like(dx, x_sh, "dx")
+            sharded_like(dw, w_sh, "dw")
+            no_all_gather(grad, x, w, dy)
+            close_or_same(dx, grad(*one)[0], rdx, "dx")
+            R.check(np.asarray(dw), rdw, "dw", abs_ok=dw_tol)
+
+        def vmapped():  # per-example dx and dw over the batch axis
+            f = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0)))
+            dx, dw = f(x, w, dy)
+            sharded_like(dx, x_sh, "dx")
+            no_all_gather(f, x, w, dy)
+            close_or_same(dx, f(*one)[0], rdx, "dx")
+            for b in range(2):
+                want_dx, want_dw, tol = R.rms_norm_bwd(x0[b], w0, dy0[b], eps)
+                R.check(np.asarray(dw)[b], want_dw, "dw", abs_ok=tol)
+
+        def remat():
+            f = jax.jit(jax.grad(jax.checkpoint(lambda x, w, dy: loss(x, w, dy) * 2.0,
+                                                policy=jax.checkpoint_policies.nothing_saveable), argnums=(0, 1)))
+            dx, dw = f(x, w, dy)
+            want = jax.jit(jax.grad(lambda x, w, dy: loss(x, w, dy) * 2.0, argnums=(0, 1)))(x, w, dy)
+            sharded_like(dx, x_sh, "dx")
+            no_all_gather(f, x, w, dy)
+            same(dx, want[0], "dx")
+            same(dw, want[1], "dw")
+
+        for check, fn in zip(CHECKS, (fwd, grads, vmapped, remat)):
+            case(f"{name}: {check}", fn)
+
+    for name, params in NORM_CASES.items():
+        norm_case(name, *params)
+
+    counts0 = np.array([3, 1, 2, 2, 0, 4, 1, 3], np.int32)  # 2 ranks x 4 experts, 16 rows
+    one_idx = jax_api.generate_permute_indices(jnp.asarray(counts0), 4, 2, 24, 4)[0]
+    def gather_case(name, mesh_name, spec, idx_spec, gathers):
+        mesh = meshes[mesh_name]
+        x0 = rng.standard_normal((16, 64)).astype(np.float32)
+        x_sh = NamedSharding(mesh, P(*spec))
+        x, idx = jax.device_put(x0, x_sh), jax.device_put(one_idx, NamedSharding(mesh, P(*idx_spec)))
+
+        def loss(x, idx):
+            y = jax_api.permute_rows(x, idx)
+            return jnp.sum(jnp.sin(jax_api.unpermute_rows(y * 2.0, idx, 16)))
+
+        def gather():
+            f = jax.jit(jax_api.permute_rows)
+            g = jax.jit(jax.grad(loss))
+            out, dx = f(x, idx), g(x, idx)
+            same(out, f(jnp.asarray(x0), one_idx), "permute_rows")
+            same(dx, g(jnp.asarray(x0), one_idx), "dx")
+            if not gathers:
+                no_all_gather(f, x, idx)
+                no_all_gather(g, x, idx)
+                sharded_like(dx, x_sh, "dx")
+            sharded_like(out, NamedSharding(mesh, P(idx_spec[0], spec[1])), "permute_rows")
+
+        case(name, gather)
+
+    for name, params in GATHER_CASES.items():
+        gather_case(name, *params)
+
+    def index_ops():
+        mesh = meshes["1d"]
+        counts = jax.device_put(counts0, NamedSharding(mesh, P("d")))
+        f = jax.jit(lambda c: jax_api.generate_permute_indices(c, 4, 2, 24, 4))
+        for got, want in zip(f(counts), f(jnp.asarray(counts0))):
+            same(got, want, "generate_permute_indices")
+        idx = jax.device_put(one_idx[:16], NamedSharding(mesh, P("d")))
+        inv = jax.jit(lambda i: jax_api.inverse_permutation(i, 16))
+        same(inv(idx), inv(one_idx[:16]), "inverse_permutation")
+
+    case("index ops", index_ops)
+
+    def readme_step():  # the README's sharded step; its results are left pending: the process must still exit
+        import re
+
+        readme = (ROOT / "README.md").read_text()
+        ns: dict = {}
+        exec(re.findall(r"```python\n(.*?)```", readme[readme.index("<!-- section: sharding -->"):], re.S)[0], ns)
+        sharded_like(ns["dx"], ns["x"].sharding, "dx")
+        sharded_like(ns["dw"], ns["w"].sharding, "dw")
+
+    case("readme step", readme_step)
+    return report
+
+
+def _export() -> dict:
+    """A training step over a 2 x 2 mesh, in shard_map (custom_partitioning cannot be serialized: jax.export
+    refuses its keepalive), exported for CUDA: a tensor-parallel norm and a row-sharded one."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_api
+    from jax_api._launch import gpu_lowering
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    specs = (P("data", "model"), P("model"), P(("data", "model")), P())
+
+    def local(x, w, xr, w2):
+        a = jnp.sum(jax_api.rms_norm_tp(x, w, axis_name="model").astype(jnp.float32) ** 2)
+        b = jnp.sum(jax_api.rms_norm(xr, w2).astype(jnp.float32) ** 2)
+        return jax.lax.psum(a + b, ("data", "model"))
+
+    loss = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), in_shardings=shardings, out_shardings=tuple(shardings))
+    S = jax.ShapeDtypeStruct
+    args = [S((8, 64), jnp.bfloat16), S((64,), jnp.bfloat16), S((8, 64), jnp.bfloat16), S((64,), jnp.bfloat16)]
+    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+    with gpu_lowering():
+        exported = jax.export.export(step, platforms=["cuda"], disabled_checks=checks)(*args)
+    from test_export_cuda import _kernels  # this file's directory is on sys.path: run as a script
+
+    return {"devices": exported.nr_devices, "kernels": _kernels(exported.mlir_module()),
+            "same as torch": _torch_parity(exported.mlir_module())}
+
+
+def _torch_parity(module_text: str) -> list[str]:
+    """The width-sharded kernels whose PTX torch_api's DTensor path (torch_api/sharding.py) compiles for the
+    same shard (4 x 32 bf16, the whole width 64) as the exported JAX step holds: bitwise-equal results."""
+    import torch
+    from test_launch_parity import _ptx_from_export, _torch_ptx
+
+    from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
+
+    jax_ptx = _ptx_from_export(module_text)
+    meta = lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    x, w, sum_sq, sums = meta((4, 32), torch.bfloat16), meta((32,), torch.bfloat16), meta((4,)), meta((4, 2))
+    fwd_sums, norm = plan_rms_norm_fwd_width_sharded(4, 32, 1e-6, (32, 32))
+    bwd = plan_rms_norm_bwd_width_sharded(4, 32, 1e-6, (32, 32, 32))
+    partial = meta((bwd.n_partials, 32))
+    scalars = dict(n_rows=4, n_cols=32, n_total=64, x_row_stride=32, y_row_stride=32, dy_row_stride=32,
+                   dx_row_stride=32, n_partials=bwd.n_partials)
+    launches = [(fwd_sums, [x, sum_sq]), (norm, [x, w, sum_sq, x]), (bwd.sums, [x, w, x, sums]),
+                (bwd.finish, [sums, sums]), (bwd.bwd, [x, w, x, sums, x, partial]), (bwd.reduce, [partial, meta(32)])]
+    return sorted(plan.kernel.fn.__name__ for plan, arrays in launches
+                  if _torch_ptx(plan, arrays, scalars) in jax_ptx.get(plan.kernel.fn.__name__, []))
+
+
+if __name__ == "__main__":
+    print(json.dumps(_check_all(int(sys.argv[2])) if sys.argv[1] == "check" else _export()))

@@ -1,0 +1,175 @@
+"""DTensor sharding strategies for the `xkern::*` torch ops, so DTensor inputs run the kernels per shard.
+
+Registered with `torch.distributed.tensor.experimental.register_sharding` on the ops (the eager fast path for
+plain tensors bypasses them; tensor subclasses such as DTensor always dispatch through them). For each op,
+the placements it accepts on one mesh dim (DTensor expands them over every mesh dim, and redistributes an
+input whose placement is not among them, e.g. all-gathers it):
+
+- rms_norm_fwd(x, w): all replicated, or x sharded on a row dim (any but the last: sequence parallel as
+  torchtitan's `SequenceParallel` uses it) with w replicated; y sharded like x.
+- rms_norm_bwd(dy, x, w): likewise; dw is `Partial()` (each rank's dw of its rows, in w's dtype), summed
+  when DTensor reduces it (all-reduce: dw rounds once more than on one device, per rank, before the sum).
+- permute_rows(x, idx): the hidden dim sharded (local), or the indices sharded with x replicated (each rank
+  gathers its slots; a row-sharded x is all-gathered first: the indices are global).
+- unpermute_rows(y, idx): the hidden dim sharded; otherwise replicated (y's rows all-gathered).
+- inverse_permutation, generate_permute_indices: replicated (integer inputs, all-gathered if sharded).
+
+A width-sharded x (Shard on the last dim: tensor parallel over the hidden dim) takes its own path, as in
+jax_api/sharding.py: each rank sums its columns of each row, one fp32 all-reduce of those [rows] sums over
+the mesh dims that split the width, then each rank finishes its columns (the width-sharded kernels at the
+end of xkern/rms_norm.py). x is never gathered; w and dw are sharded like the width; dw is summed in fp32
+over the mesh dims that shard the rows (one all-reduce), then rounded once to w's dtype: the rounding of
+jax_api's path. It is a DTensor op handler (`_custom_op_handlers`, which torch's own `loss_parallel` uses)
+on rms_norm_fwd and rms_norm_bwd that hands every other placement to the strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.experimental import register_sharding
+
+import torch_api.permute  # noqa: F401  (registers the xkern::* ops)
+import torch_api.rms_norm  # noqa: F401
+from torch_api._launch import launch, rows_view
+from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
+
+_ops = torch.ops.xkern
+R = Replicate()
+
+
+@register_sharding(_ops.rms_norm_fwd.default)
+def _rms_norm_fwd(x, weight, eps):
+    rules = [([R], [R, R, None])]
+    rules += [([Shard(d)], [Shard(d), R, None]) for d in range(x.ndim - 1)]
+    return rules
+
+
+@register_sharding(_ops.rms_norm_bwd.default)
+def _rms_norm_bwd(dy, x, weight, eps):
+    rules = [([R, R], [R, R, R, None])]
+    rules += [([Shard(d), Partial()], [Shard(d), Shard(d), R, None]) for d in range(x.ndim - 1)]
+    return rules
+
+
+@register_sharding(_ops.permute_rows.default)
+def _permute_rows(x, idx):
+    return [([R], [R, R]), ([Shard(1)], [Shard(1), R]), ([Shard(0)], [R, Shard(0)])]
+
+
+@register_sharding(_ops.unpermute_rows.default)
+def _unpermute_rows(y, idx, num_rows):
+    return [([R], [R, R, None]), ([Shard(1)], [Shard(1), R, None])]
+
+
+@register_sharding(_ops.inverse_permutation.default)
+def _inverse_permutation(idx, num_rows):
+    return [([R], [R, None])]
+
+
+@register_sharding(_ops.generate_permute_indices.default)
+def _generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment):
+    return [([R, R, R], [R, None, None, None, None])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Width-sharded RMSNorm
+
+
+def _width_dims(x: DTensor) -> list[int]:
+    """The mesh dims that split x's last dim."""
+    return [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim % x.ndim == x.ndim - 1]
+
+
+@contextlib.contextmanager
+def _strategies_only(op):
+    """Dispatch `op` through its sharding strategies (this module's handler set aside)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        yield
+    finally:
+        handlers[op] = handler
+
+
+def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def _local_inputs(x: DTensor, tensors, width: list[int]):
+    """x's local rows and the other tensors' local blocks laid out like x (w: its slice of the width)."""
+    mesh = x.device_mesh
+    # x: Partial is summed first; rows may stay sharded. w: sharded like the width, replicated elsewhere.
+    x_places = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+    w_places = [Shard(0) if i in width else Replicate() for i in range(mesh.ndim)]
+    x = x.redistribute(mesh, x_places)
+    out = [x.to_local()]
+    for t, places in tensors:
+        out.append(t.redistribute(mesh, x_places if places == "x" else w_places).to_local())
+    return x, out, w_places
+
+
+def _all_reduce(t: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
+    for d in dims:
+        dist.all_reduce(t, group=mesh.get_group(d))
+    return t
+
+
+def _rms_norm_fwd_handler(op_call, args, kwargs):
+    x, weight, eps = args
+    width = _width_dims(x)
+    if not width:
+        with _strategies_only(op_call):
+            return op_call(*args, **kwargs)
+    x, (xl, wl), _ = _local_inputs(x, [(weight, "w")], width)
+    n_cols = xl.shape[-1]
+    x2 = rows_view(xl)
+    n_rows = x2.shape[0]
+    y = torch.empty(xl.shape, dtype=xl.dtype if wl.dtype == xl.dtype else torch.float32, device=xl.device)
+    if x2.numel():
+        sums, norm = plan_rms_norm_fwd_width_sharded(n_rows, n_cols, eps, (x2.stride(0), n_cols))
+        scalars = dict(n_rows=n_rows, n_cols=n_cols, n_total=x.shape[-1], x_row_stride=x2.stride(0),
+                       y_row_stride=n_cols)
+        sum_sq = torch.empty(n_rows, dtype=torch.float32, device=xl.device)
+        launch(sums, x2, sum_sq, **scalars)
+        launch(norm, x2, wl, _all_reduce(sum_sq, x.device_mesh, width), y, **scalars)
+    return _dtensor(y, x.device_mesh, x.placements, x.shape)
+
+
+def _rms_norm_bwd_handler(op_call, args, kwargs):
+    dy, x, weight, eps = args
+    width = _width_dims(x)
+    if not width:
+        with _strategies_only(op_call):
+            return op_call(*args, **kwargs)
+    x, (xl, dyl, wl), w_places = _local_inputs(x, [(dy, "x"), (weight, "w")], width)
+    mesh, n_cols = x.device_mesh, xl.shape[-1]
+    x2, dy2 = rows_view(xl), rows_view(dyl)
+    n_rows = x2.shape[0]
+    dx = torch.empty(xl.shape, dtype=xl.dtype, device=xl.device)
+    dw = torch.zeros(n_cols, dtype=torch.float32, device=xl.device)
+    if x2.numel():
+        plan = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, eps, (x2.stride(0), dy2.stride(0), n_cols))
+        scalars = dict(n_rows=n_rows, n_cols=n_cols, n_total=x.shape[-1], x_row_stride=x2.stride(0),
+                       dy_row_stride=dy2.stride(0), dx_row_stride=n_cols)
+        sums = torch.empty((n_rows, 2), dtype=torch.float32, device=xl.device)
+        stats = torch.empty_like(sums)
+        launch(plan.sums, x2, wl, dy2, sums, **scalars)
+        launch(plan.finish, _all_reduce(sums, mesh, width), stats, **scalars)
+        partial = torch.empty((plan.n_partials, n_cols), dtype=torch.float32, device=xl.device)
+        launch(plan.bwd, x2, wl, dy2, stats, dx, partial, **scalars)
+        launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=n_cols)
+    # dw of this rank's rows, in fp32, summed over the mesh dims that shard the rows, then w's dtype once
+    # (as jax_api's width-sharded path)
+    rows = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and i not in width]
+    dw = _all_reduce(dw, mesh, rows).to(wl.dtype)
+    return (_dtensor(dx, mesh, x.placements, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
+
+
+DTensor._op_dispatcher._custom_op_handlers.update({_ops.rms_norm_fwd.default: _rms_norm_fwd_handler,
+                                                    _ops.rms_norm_bwd.default: _rms_norm_bwd_handler})
