@@ -7,6 +7,8 @@ so a kernel is judged against the truth of the contract, not against a peer. 16-
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -71,7 +73,7 @@ def rms_norm_bwd(x, w, dy, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n = x64 * rstd
     g = _round(_round(dy64 * w64, out_dtype), x.dtype)
     dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
-    terms = _round(dy64 * _round(n, x.dtype), out_dtype).reshape(-1, x.shape[-1])
+    terms = _round(dy64 * _round(n, x.dtype), out_dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
     dw_tol = np.abs(terms).sum(axis=0) * 2.0 ** -(ml_dtypes.finfo(np_dtype(x.dtype)).nmant + 1)
     return dx, terms.sum(axis=0), dw_tol
 
