@@ -1,7 +1,7 @@
 """PyTorch front end of xkern: autograd-aware ops registered with torch.library."""
 
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
-from torch_api.hf import replace_rms_norm
+from torch_api.hf import patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -12,8 +12,10 @@ __all__ = [
     "ep_dispatch",
     "generate_permute_indices",
     "inverse_permutation",
+    "patch_hf_classes",
     "permute_rows",
     "replace_rms_norm",
     "rms_norm",
+    "unpatch_hf_classes",
     "unpermute_rows",
 ]
