@@ -1,8 +1,8 @@
 """Hugging Face models through xkern (CPU: Triton's interpreter): which classes, and whole tiny models.
 
-- Every norm class in the installed transformers is probed; the counts are printed (run with `-s` or read
-  the log's captured stdout), and every class the probe accepts is run through xkern against its own eager
-  forward, bit for bit.
+- Every norm class in the installed transformers is probed; the counts go into the test log (the summary
+  at its end), and every class the probe accepts is run through xkern against its own eager forward, bit
+  for bit.
 - Tiny randomly initialised models of several families (no downloads): logits bit for bit equal to eager in
   bf16, gradients bit for bit where every patched norm has the Llama math (the other variants' backward sums
   in another fp32 order: checked by the oracle per norm, and close), generate, save/load, gradient
@@ -114,16 +114,16 @@ def _judged_by_the_oracle(model):
 # --- which classes ----------------------------------------------------------------------------------
 
 
-def test_every_norm_class_in_transformers():
-    """Probe every norm class of the installed transformers; print the counts; run each accepted class
-    through xkern against its own eager forward (bf16, bit for bit)."""
+def test_every_norm_class_in_transformers(record_property):
+    """Probe every norm class of the installed transformers; put the counts in the log (conftest's summary);
+    run each accepted class through xkern against its own eager forward (bf16, bit for bit)."""
     classes = hf.hf_norm_classes()
     maths = {cls: hf.norm_math(cls) for cls in classes}
     variants = collections.Counter(m.variant if m else "left alone" for m in maths.values())
     eps_attrs = collections.Counter(m.eps_attr for m in maths.values() if m)
-    print(f"\ntransformers {transformers.__version__}: {len(classes)} norm classes; by math: {dict(variants)}; "
-          f"eps attribute: {dict(eps_attrs)}")
-    print("left alone:", ", ".join(sorted(c.__name__ for c, m in maths.items() if m is None)))
+    record_property("summary", f"transformers {transformers.__version__}: {len(classes)} norm classes; by math: "
+                               f"{dict(variants)}; eps attribute: {dict(eps_attrs)}")
+    record_property("summary", "left alone: " + ", ".join(sorted(c.__name__ for c, m in maths.items() if m is None)))
     assert len(classes) >= 150 and variants["llama"] >= 100 and variants["gemma"] and variants["olmo2"]
     assert variants["none"] and eps_attrs["eps"] and eps_attrs["variance_epsilon"]
 
@@ -152,7 +152,7 @@ def test_every_norm_class_in_transformers():
         out = hf.xkern_norm_forward(module, x, math)
         assert _same(out, hf.original_forward(cls)(module, x)), cls.__name__
         checked += 1
-    print(f"{checked} classes run through xkern: bitwise equal to their eager forward")
+    record_property("summary", f"{checked} classes run through xkern: bitwise equal to their eager forward (bf16)")
 
 
 def test_probe_rejects_other_math():
