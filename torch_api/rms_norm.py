@@ -28,7 +28,7 @@ def _no_dw(x: torch.Tensor) -> torch.Tensor:
 
 # `variant` is check_variant's ("none" without a weight; `weight` is then None).
 @torch.library.custom_op("xkern::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str) -> torch.Tensor:
+def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=_out_dtype(x, weight, variant), device=x.device)
     x2 = rows_view("x", x)
@@ -42,13 +42,13 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, va
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, variant):
+def _(x, weight, eps, variant="llama"):
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight, variant))
 
 
 @torch.library.custom_op("xkern::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
-                 eps: float, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x2, dy2 = rows_view("x", x), rows_view("dy", dy)
@@ -73,7 +73,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, weight, eps, variant):
+def _(dy, x, weight, eps, variant="llama"):
     # dx is contiguous whatever x's layout (as the real op makes it); empty_like would copy x's strides
     return x.new_empty(x.shape), _no_dw(x) if weight is None else torch.empty_like(weight)
 
