@@ -54,16 +54,24 @@ LLAMA, GEMMA, OLMO2, NO_WEIGHT = 0, 1, 2, 3
 
 
 @triton.jit
+def _scale(w, VARIANT: tl.constexpr):
+    # what multiplies normed outside LLAMA's rounding: GEMMA 1 + w, OLMO2 w, NO_WEIGHT 1
+    if VARIANT == 1:  # GEMMA
+        s = 1.0 + w
+    elif VARIANT == 2:  # OLMO2
+        s = w
+    else:
+        s = 1.0
+    return s
+
+
+@triton.jit
 def _scaled(normed, w, X_TY: tl.constexpr, VARIANT: tl.constexpr):
     # y in fp32, before its one rounding to Y's dtype
     if VARIANT == 0:  # LLAMA
         y = w * normed.to(X_TY).to(tl.float32)
-    elif VARIANT == 1:  # GEMMA
-        y = normed * (1.0 + w)
-    elif VARIANT == 2:  # OLMO2
-        y = w * normed
     else:
-        y = normed
+        y = normed * _scale(w, VARIANT)
     return y
 
 
@@ -73,12 +81,8 @@ def _grad_normed(dy, w, X_TY: tl.constexpr, VARIANT: tl.constexpr):
     # dtype and taken to x.dtype (the backward of `.to(x.dtype)`); the others stay fp32.
     if VARIANT == 0:  # LLAMA
         g = (dy * w).to(X_TY).to(tl.float32)
-    elif VARIANT == 1:  # GEMMA
-        g = dy * (1.0 + w)
-    elif VARIANT == 2:  # OLMO2
-        g = dy * w
     else:
-        g = dy
+        g = dy * _scale(w, VARIANT)
     return g
 
 
