@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from torch_api._launch import INTERPRET
 from torch_api.rms_norm import _FLOATS, rms_norm
 
 NORM_NAME = re.compile(r"(?i)(rms_?norm|l2_?norm)")  # class names that are probed
@@ -192,11 +193,15 @@ def hf_norm_classes(*model_types: str) -> list[type]:
 
 
 def xkern_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor, math: NormMath) -> torch.Tensor | None:
-    """`module`'s output through xkern, or None for what the kernels do not take (caller runs eager)."""
+    """`module`'s output through xkern, or None for what the kernels do not take (the caller runs the class's
+    forward): dtype pairs other than x's dtype or float32 weights, devices other than CUDA (or CPU under
+    TRITON_INTERPRET=1)."""
     weight = None if math.variant == "none" else module.weight
     if hidden_states.dtype not in _FLOATS or (weight is not None and weight.dtype not in (hidden_states.dtype,
                                                                                           torch.float32)):
         return None
+    if not (hidden_states.is_cuda or INTERPRET and hidden_states.device.type == "cpu"):
+        return None  # a CPU model without Triton's interpreter (class patching reaches every model)
     eps = getattr(module, math.eps_attr)
     if math.variant in ("llama", "none"):
         return rms_norm(hidden_states, weight, eps)

@@ -9,6 +9,11 @@ take a statistics pass first); rstd is recomputed from x, never stored:
     dw = sum_rows (dy * n.to(x.dtype)).to(dy.dtype), in fp32: one partial row per program, then summed
          over programs in a fixed order by `_dw_reduce_kernel` (deterministic, no atomics).
 
+Variants (constexpr VARIANT, see _scale below; the plans' shapes do not depend on it): GEMMA
+`y = (normed * (1 + w)).to(x.dtype)`, OLMO2 `y = (w * normed).to(x.dtype)`, NO_WEIGHT `y = normed.to(x.dtype)`,
+with normed = x * rstd in fp32. Their backward: g = dy * (1 + w), dy * w, dy, in fp32 (not rounded); dw
+terms: OLMO2 `(dy * n).to(w.dtype)`, GEMMA `dy * n` (fp32), NO_WEIGHT none (no partials, no reduction).
+
 Rows are addressed as `X + row * row_stride + col`, row offsets in int64, so any input whose last dim is
 contiguous and whose leading dims collapse to one stride is read in place.
 
