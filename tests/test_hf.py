@@ -239,7 +239,7 @@ def test_save_load_and_copies(tmp_path):
     norms = [m for m in loaded.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 3 and not any(isinstance(m.forward, hf._Forward) for m in norms)  # eager
     assert "xkern" not in repr(loaded)
-    assert torch_api.replace_rms_norm(loaded) == 3  # and patchable again
+    assert torch_api.replace_rms_norm(loaded) == 3 and "xkern=llama" in repr(loaded)  # and patchable again
 
     model.save_pretrained(tmp_path)
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path)

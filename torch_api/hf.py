@@ -259,14 +259,14 @@ class _ExtraRepr:
         return _ExtraRepr(copy.deepcopy(self.module, memo), self.math)
 
 
+def _is_unset(m: torch.nn.Module, name: str) -> bool:
+    """No instance attribute `name`, or what a pickled patch loads as: the class's method bound to `m`."""
+    f = m.__dict__.get(name)
+    return f is None or (getattr(f, "__func__", None) is getattr(type(m), name) and getattr(f, "__self__", None) is m)
+
+
 def _is_unpatched(m: torch.nn.Module) -> bool:
-    if getattr(type(m), "forward", None) is _class_forward:
-        return False  # the class is patched already
-    f = m.__dict__.get("forward")
-    if f is None:
-        return True
-    # What a pickled patch loads as: the class's forward bound to the module itself.
-    return getattr(f, "__func__", None) is type(m).forward and getattr(f, "__self__", None) is m
+    return getattr(type(m), "forward", None) is not _class_forward and _is_unset(m, "forward")
 
 
 def replace_rms_norm(model: torch.nn.Module) -> int:
@@ -278,7 +278,7 @@ def replace_rms_norm(model: torch.nn.Module) -> int:
         math = norm_math(type(m))
         if math is not None and _is_unpatched(m):
             m.forward = _Forward(m, math)
-            if "extra_repr" not in m.__dict__:
+            if _is_unset(m, "extra_repr"):
                 m.extra_repr = _ExtraRepr(m, math)
             n += 1
     return n
