@@ -160,9 +160,9 @@ def norm_math(cls: type) -> NormMath | None:
 
 
 def hf_norm_classes(*model_types: str) -> list[type]:
-    """The norm classes (named like NORM_NAME) defined in `transformers.models.<type>.modeling_*` for each
-    of `model_types`, or for every installed model when none is given (that imports every modeling
-    module: ~20 s on a CPU)."""
+    """The norm classes (named like NORM_NAME) defined in `transformers.models.<name>.modeling_*` for each
+    name of `model_types` (the package names: "llama", "qwen3", "gemma3", "llama4", ...), or for every
+    installed model when none is given (that imports every modeling module: ~20 s on a CPU)."""
     import transformers.models as models
 
     names = model_types or [m.name for m in pkgutil.iter_modules(models.__path__) if m.ispkg]
