@@ -18,33 +18,41 @@ from jax_api._launch import check_array, execute, map_batched, vary_like
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
-def _fwd(x, weight, eps):
+# `variant` is check_rms_norm's ("none" without a weight: `weight` is then None, and the recipe reads x alone).
+def _fwd(x, weight, eps, variant="llama"):
     n_cols = x.shape[-1]
     n_rows = x.size // n_cols if n_cols else math.prod(x.shape[:-1])
-    recipe = rms_norm_fwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name)
+    recipe = rms_norm_fwd_recipe(n_rows, n_cols, eps, x.dtype.name, None if weight is None else weight.dtype.name,
+                                 variant=variant)
     (y,) = execute(recipe, x=x.reshape(n_rows, n_cols), w=weight)
     return y.reshape(x.shape)
 
 
-def _bwd(dy, x, weight, eps, n_batch_dims, dw_dtype=None):
-    """dx and dw; dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped example), in
-    `dw_dtype` (default: weight's)."""
+def _bwd(dy, x, weight, eps, n_batch_dims, dw_dtype=None, variant="llama"):
+    """dx and dw (None without a weight); dw keeps the leading `n_batch_dims` axes of x (one dw per vmapped
+    example), in `dw_dtype` (default: weight's)."""
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
     n_rows = math.prod(x.shape[n_batch_dims:-1])
-    recipe = rms_norm_bwd_recipe(n_rows, n_cols, eps, x.dtype.name, weight.dtype.name, n_batch=n_batch,
-                                 dw_dtype=None if dw_dtype is None else jnp.dtype(dw_dtype).name)
+    recipe = rms_norm_bwd_recipe(n_rows, n_cols, eps, x.dtype.name, None if weight is None else weight.dtype.name,
+                                 n_batch=n_batch, dw_dtype=None if dw_dtype is None else jnp.dtype(dw_dtype).name,
+                                 variant=variant)
     flat = (n_batch * n_rows, n_cols)
     dx, dw = execute(recipe, x=x.reshape(flat), w=weight, dy=dy.reshape(flat))
-    return dx.reshape(x.shape), dw.reshape(batch_shape + weight.shape)
+    return dx.reshape(x.shape), None if weight is None else dw.reshape(batch_shape + weight.shape)
 
 
 @functools.cache
-def _fwd_op(eps: float):
+def _fwd_op(eps: float, variant: str):
+    # Partitioned under jit (jax_api/sharding.py); the width-sharded kernels compute the Llama math only.
+    body = functools.partial(_fwd, variant=variant)
+
     @jax.custom_batching.custom_vmap
     def op(x, weight):
-        return sharding.rms_norm_fwd(_fwd, eps, x.ndim)(x, weight)
+        if weight is None:
+            return body(x, None, eps)
+        return sharding.rms_norm_fwd(body, eps, x.ndim, variant == "llama")(x, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, weight):
@@ -57,50 +65,59 @@ def _fwd_op(eps: float):
 
 
 @functools.cache
-def _bwd_op(eps: float, n_batch_dims: int):
+def _bwd_op(eps: float, variant: str, n_batch_dims: int):
+    body = functools.partial(_bwd, variant=variant)
+
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
-        return tuple(sharding.rms_norm_bwd(_bwd, eps, x.ndim, n_batch_dims)(dy, x, weight))
+        if weight is None:
+            return body(dy, x, None, eps, n_batch_dims)
+        return tuple(sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, variant == "llama")(dy, x, weight))
 
     @op.def_vmap
     def _(axis_size, in_batched, dy, x, weight):
         if in_batched[2]:
             return map_batched(op, axis_size, in_batched, dy, x, weight), (True, True)
         dy, x = (a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip((dy, x), in_batched))
-        return _bwd_op(eps, n_batch_dims + 1)(dy, x, weight), (True, True)
+        return _bwd_op(eps, variant, n_batch_dims + 1)(dy, x, weight), (True, None if weight is None else True)
 
     return op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x, weight, eps):
-    return vary_like(_fwd_op(eps)(x, weight), x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps, variant):
+    return vary_like(_fwd_op(eps, variant)(x, weight), x)
 
 
-def _rms_norm_fwd(x, weight, eps):
-    return _rms_norm(x, weight, eps), (x, weight)
+def _rms_norm_fwd(x, weight, eps, variant):
+    return _rms_norm(x, weight, eps, variant), (x, weight)
 
 
-def _rms_norm_bwd(eps, residuals, dy):
+def _rms_norm_bwd(eps, variant, residuals, dy):
     x, weight = residuals
-    dx, dw = _bwd_op(eps, 0)(dy, x, weight)
-    return vary_like(dx, x), vary_like(dw, weight)
+    dx, dw = _bwd_op(eps, variant, 0)(dy, x, weight)
+    return vary_like(dx, x), None if weight is None else vary_like(dw, weight)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *, variant: str = "llama") -> jax.Array:
     """Hugging Face Llama RMSNorm over the last axis: `w * (x.f32 * rsqrt(mean(x.f32**2) + eps)).astype(
     x.dtype)`, fp32 statistics; differentiable in `x` and `weight` (jax.custom_vjp).
 
     x: [..., N], float16 / bfloat16 / float32, any N >= 0. weight: [N], float16 / bfloat16 / float32; the
-    output dtype is their promotion (float32 when they differ), as in the torch front end.
+    output dtype is their promotion (float32 when they differ), as in the torch front end. None: no weight,
+    `normed.astype(x.dtype)`.
+    variant: "llama" (above), "gemma" `(normed * (1 + w.f32)).astype(x.dtype)`, "olmo2"
+    `(w * normed).astype(x.dtype)` (output dtype x's), with normed = x.f32 * rsqrt(mean(x.f32**2) + eps).
     """
     check_array("x", x)
-    check_array("weight", weight)
-    check_rms_norm(x.dtype.name, tuple(x.shape), weight.dtype.name, tuple(weight.shape), eps)
+    if weight is not None:
+        check_array("weight", weight)
+    _, variant = check_rms_norm(x.dtype.name, tuple(x.shape), None if weight is None else weight.dtype.name,
+                                None if weight is None else tuple(weight.shape), eps, variant)
     # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
     # summed over the mesh axes by the transpose of that cast.
-    weight = vary_like(weight, x)
-    return _rms_norm(x, weight, float(eps))
+    weight = None if weight is None else vary_like(weight, x)
+    return _rms_norm(x, weight, float(eps), variant)

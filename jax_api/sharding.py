@@ -85,12 +85,15 @@ def _factors(n: int, prefix: str = "r") -> list[str]:
 
 
 @functools.cache
-def rms_norm_fwd(body, eps: float, ndim: int):
-    """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned."""
+def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True):
+    """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned. Without `width_ok` (the
+    variants the width-sharded kernels do not compute) a sharded hidden dim is gathered first."""
     rows = " ".join(_factors(ndim - 1))
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[0])
+        if not width_ok:
+            dims[-1] = ()
         hidden = dims[-1]
         x_sharding = _named(mesh, dims)
         if hidden:
@@ -103,14 +106,16 @@ def rms_norm_fwd(body, eps: float, ndim: int):
 
 
 @functools.cache
-def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int):
+def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool = True):
     """`body(dy, x, w, eps, n_batch_dims, dw_dtype)` (the single-device backward: dx, and dw with x's
-    leading `n_batch_dims` dims, those of vmap) partitioned."""
+    leading `n_batch_dims` dims, those of vmap) partitioned; `width_ok` as in `rms_norm_fwd`."""
     batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
     lead = " ".join(batch + rows)
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[1])
+        if not width_ok:
+            dims[-1] = ()
         hidden = dims[-1]
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
         x_sharding = _named(mesh, dims)
@@ -135,7 +140,7 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int):
 def _fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
     """One shard's columns of the forward: local row sums, psum over `hidden`, local normalisation."""
     n_cols = x.shape[-1]
-    out_dtype = x.dtype if w.dtype == x.dtype else jnp.dtype(jnp.float32)
+    out_dtype = jnp.promote_types(x.dtype, w.dtype)
     if x.size == 0:
         return jnp.zeros(x.shape, out_dtype)
     x2 = x.reshape(-1, n_cols)

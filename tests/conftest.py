@@ -17,3 +17,13 @@ collect_ignore = [] if GPU else ["test_gpu_large.py", "test_gpu_graphs.py"]
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Lines a test records with `record_property("summary", line)` (coverage counts, say) go into the log,
+    passed or failed, with or without pytest-xdist."""
+    for key in ("passed", "failed"):
+        for report in terminalreporter.stats.get(key, []):
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "summary":
+                    terminalreporter.write_line(f"{report.nodeid}: {value}")

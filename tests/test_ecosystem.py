@@ -74,6 +74,11 @@ def test_opcheck_rms_norm_ops():
     dyt = dy.reshape(2, -1, dy.shape[-1]).transpose(0, 1)
     torch.library.opcheck(torch.ops.xkern.rms_norm_fwd.default, (xt, w.detach(), EPS))
     torch.library.opcheck(torch.ops.xkern.rms_norm_bwd.default, (dyt, xt, w.detach(), EPS))
+    # the variants: another math, and no weight (an Optional tensor; dw is then an empty placeholder)
+    torch.library.opcheck(torch.ops.xkern.rms_norm_fwd.default, (x, w.detach(), EPS, "gemma"))
+    torch.library.opcheck(torch.ops.xkern.rms_norm_bwd.default, (dy, x.detach(), w.detach(), EPS, "olmo2"))
+    torch.library.opcheck(torch.ops.xkern.rms_norm_fwd.default, (x, None, EPS, "none"))
+    torch.library.opcheck(torch.ops.xkern.rms_norm_bwd.default, (dy, x.detach(), None, EPS, "none"))
 
 
 def test_opcheck_permute_ops():

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(33, 128), (64, 128), (33, 300), (33, 2048), (48, 4096), (7, 5000), (3, 9000), (3, 20000), (5, 40000),
           (7, 1)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
+VARIANTS = ["gemma", "olmo2", "none"]
+VARIANT_SHAPES = [(33, 128), (3, 9000), (3, 20000)]
 
 
 def _arithmetic(ptx: str) -> list[str]:
@@ -88,49 +90,67 @@ def _child() -> None:
     eps = 1e-6
     checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
     compared = 0
+
+    def compare(rows, n, x_dt, w_dt, variant="llama"):
+        """Compile the launches of one (shape, dtypes, variant) from both front ends; assert identical PTX."""
+        nonlocal compared
+        y_dt = x_dt if x_dt == w_dt or variant != "llama" else "float32"
+        S = jax.ShapeDtypeStruct
+        x, w = S((rows, n), jnp.dtype(x_dt)), S((n,), jnp.dtype(w_dt))
+        if variant == "none":  # no weight: x is bound to W, which is not read
+            def loss(x, w):
+                return jnp.sum(jax_api.rms_norm(x, None, eps).astype(jnp.float32)) + 0 * jnp.sum(w)
+        else:
+            def loss(x, w):
+                return jnp.sum(jax_api.rms_norm(x, w, eps, variant=variant).astype(jnp.float32))
+        with gpu_lowering():
+            exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                                         disabled_checks=checks)(x, w)
+        jax_ptx = _ptx_from_export(exported.mlir_module())
+        t = {name: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for name, shape, dt in
+             (("x", (rows, n), x_dt), ("w", (n,), w_dt), ("y", (rows, n), y_dt))}
+        if variant == "none":
+            t["w"] = t["x"]
+        fwd = plan_rms_norm_fwd(rows, n, eps, (n, n), 4 if "float32" in (x_dt, w_dt) and variant != "none" else 2,
+                                variant)
+        bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n), variant=variant)
+        partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
+        stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
+        scalars = dict(n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)
+        inputs = [t["x"], t["w"], t["y"]] + ([stats] if bwd.stats else [])
+        ours = {
+            fwd.kernel.fn.__name__: _torch_ptx(fwd, [t["x"], t["w"], t["y"]], dict(
+                n_rows=rows, n_cols=n, x_row_stride=n, y_row_stride=n)),
+            bwd.bwd.kernel.fn.__name__: _torch_ptx(bwd.bwd, inputs + [t["x"], partial], scalars),
+        }
+        if bwd.reduce:
+            ours[bwd.reduce.kernel.fn.__name__] = _torch_ptx(bwd.reduce, [partial, t["w"]], dict(
+                n_partials=bwd.n_partials, n_cols=n))
+        if bwd.stats:
+            ours[bwd.stats.kernel.fn.__name__] = _torch_ptx(bwd.stats, [t["x"], t["w"], t["y"], stats], scalars)
+        if n % 16 == 0:  # 16-byte rows: the forward must use 16-byte accesses (the bandwidth depends on it)
+            assert re.search(r"ld\.global\S*\.v4", ours[fwd.kernel.fn.__name__]), \
+                f"{rows}x{n} {x_dt}: forward not vectorized"
+        what = f"{rows}x{n} {x_dt}/{w_dt} {variant}"
+        for name, ptx in ours.items():
+            assert name in jax_ptx, f"{what}: JAX launched no {name} ({sorted(jax_ptx)})"
+            for other in jax_ptx[name]:
+                if other != ptx and os.environ.get("XKERN_PARITY_DUMP"):
+                    Path("/tmp/ptx_torch.txt").write_text(ptx)
+                    Path("/tmp/ptx_jax.txt").write_text(other)
+                if n == 1:
+                    ours_fp = _arithmetic(ptx)
+                    assert ours_fp and _arithmetic(other) == ours_fp, f"{what}: {name} computes differently from JAX"
+                else:
+                    assert other == ptx, f"{what}: {name} compiles differently from JAX"
+                compared += 1
+
     for rows, n in SHAPES:
         for x_dt, w_dt in DTYPES:
-            y_dt = x_dt if x_dt == w_dt else "float32"
-            S = jax.ShapeDtypeStruct
-            x, w = S((rows, n), jnp.dtype(x_dt)), S((n,), jnp.dtype(w_dt))
-            with gpu_lowering():
-                exported = jax.export.export(
-                    jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jax_api.rms_norm(x, w, eps).astype(jnp.float32)),
-                                               argnums=(0, 1))), platforms=["cuda"], disabled_checks=checks)(x, w)
-            jax_ptx = _ptx_from_export(exported.mlir_module())
-            t = {name: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for name, shape, dt in
-                 (("x", (rows, n), x_dt), ("w", (n,), w_dt), ("y", (rows, n), y_dt))}
-            fwd = plan_rms_norm_fwd(rows, n, eps, (n, n), 4 if "float32" in (x_dt, w_dt) else 2)
-            bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n))
-            partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
-            stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
-            scalars = dict(n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)
-            inputs = [t["x"], t["w"], t["y"]] + ([stats] if bwd.stats else [])
-            ours = {
-                fwd.kernel.fn.__name__: _torch_ptx(fwd, [t["x"], t["w"], t["y"]], dict(
-                    n_rows=rows, n_cols=n, x_row_stride=n, y_row_stride=n)),
-                bwd.bwd.kernel.fn.__name__: _torch_ptx(bwd.bwd, inputs + [t["x"], partial], scalars),
-                bwd.reduce.kernel.fn.__name__: _torch_ptx(bwd.reduce, [partial, t["w"]], dict(
-                    n_partials=bwd.n_partials, n_cols=n)),
-            }
-            if bwd.stats:
-                ours[bwd.stats.kernel.fn.__name__] = _torch_ptx(bwd.stats, [t["x"], t["w"], t["y"], stats], scalars)
-            if n % 16 == 0:  # 16-byte rows: the forward must use 16-byte accesses (the bandwidth depends on it)
-                assert re.search(r"ld\.global\S*\.v4", ours[fwd.kernel.fn.__name__]), \
-                    f"{rows}x{n} {x_dt}: forward not vectorized"
-            for name, ptx in ours.items():
-                assert name in jax_ptx, f"{rows}x{n} {x_dt}/{w_dt}: JAX launched no {name} ({sorted(jax_ptx)})"
-                for other in jax_ptx[name]:
-                    if other != ptx and os.environ.get("XKERN_PARITY_DUMP"):
-                        Path("/tmp/ptx_torch.txt").write_text(ptx)
-                        Path("/tmp/ptx_jax.txt").write_text(other)
-                    if n == 1:
-                        ours_fp = _arithmetic(ptx)
-                        assert ours_fp and _arithmetic(other) == ours_fp, \
-                            f"{rows}x{n} {x_dt}/{w_dt}: {name} computes differently from JAX"
-                    else:
-                        assert other == ptx, f"{rows}x{n} {x_dt}/{w_dt}: {name} compiles differently from JAX"
-                    compared += 1
+            compare(rows, n, x_dt, w_dt)
+    for variant in VARIANTS:  # the other math: the tile, row and column-split backwards, both forwards
+        for rows, n in VARIANT_SHAPES:
+            compare(rows, n, "bfloat16", "float32" if variant == "olmo2" else "bfloat16", variant)
     # The gather: data movement only (parity cannot break there), but it must stay vectorized on both.
     from xkern.permute import plan_gather_rows
 

@@ -32,12 +32,18 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _inputs(rng, shape, dtype, w_dtype=None):
+def _inputs(rng, shape, dtype, w_dtype=None, variant="llama"):
+    """x, w, dy; w None for variant "none" (no weight). Gemma's weight is centred on 0 (its scale is 1 + w)."""
     n = shape[-1]
     x = rand(rng, shape, dtype)
-    w = rand(rng, (n,), w_dtype or dtype, scale=0.5, offset=1.0)
-    dy = rand(rng, shape, str(R.promote(x.dtype, w.dtype)))
+    w = None if variant == "none" else rand(rng, (n,), w_dtype or dtype, scale=0.5,
+                                             offset=0.0 if variant == "gemma" else 1.0)
+    dy = rand(rng, shape, str(R.out_dtype(x.dtype, None if w is None else w.dtype, _math(variant))))
     return x, w, dy
+
+
+def _math(variant):
+    return "llama" if variant == "none" else variant  # the `variant=` of a call without a weight
 
 
 def _eps_for(width: int) -> float:
@@ -46,24 +52,32 @@ def _eps_for(width: int) -> float:
     return 1e-2 if width == 1 else EPS
 
 
-def _torch_run(x, w, dy, eps):
-    tx, tw = to_torch(x).requires_grad_(), to_torch(w).requires_grad_()
-    y = torch_api.rms_norm(tx, tw, eps)
+def _torch_run(x, w, dy, eps, variant="llama"):
+    tx, tw = to_torch(x).requires_grad_(), None if w is None else to_torch(w).requires_grad_()
+    y = torch_api.rms_norm(tx, tw, eps, variant=_math(variant))
     y.backward(to_torch(dy))
-    return y, tx.grad, tw.grad
+    return y, tx.grad, None if w is None else tw.grad
 
 
-def _jax_run(x, w, dy, eps):
-    y, vjp = jax.vjp(jax.jit(lambda x, w: jax_api.rms_norm(x, w, eps)), jnp.asarray(x), jnp.asarray(w))
+def _jax_run(x, w, dy, eps, variant="llama"):
+    if w is None:
+        y, vjp = jax.vjp(jax.jit(lambda x: jax_api.rms_norm(x, None, eps)), jnp.asarray(x))
+        return y, vjp(jnp.asarray(dy))[0], None
+    y, vjp = jax.vjp(jax.jit(lambda x, w: jax_api.rms_norm(x, w, eps, variant=variant)), jnp.asarray(x),
+                     jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
     return y, dx, dw
 
 
-def _check_all(x, w, dy, eps, y, dx, dw):
-    _, dw_ref, dw_tol = R.rms_norm_bwd(x, w, dy, eps)
-    R.check(to_numpy(y), R.rms_norm_fwd(x, w, eps), "fwd", R.rms_norm_fwd_tol(x, w, eps))
-    R.check(to_numpy(dx), R.rms_norm_bwd(x, w, dy, eps)[0], "dx")
-    R.check(to_numpy(dw), dw_ref, "dw", dw_tol)
+def _check_all(x, w, dy, eps, y, dx, dw, variant="llama"):
+    variant = _math(variant)
+    dx_ref, dw_ref, dw_tol = R.rms_norm_bwd(x, w, dy, eps, variant)
+    R.check(to_numpy(y), R.rms_norm_fwd(x, w, eps, variant), "fwd", R.rms_norm_fwd_tol(x, w, eps, variant))
+    R.check(to_numpy(dx), dx_ref, "dx")
+    if w is None:
+        assert dw is None
+    else:
+        R.check(to_numpy(dw), dw_ref, "dw", dw_tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -248,6 +262,81 @@ def test_module():
     with torch.no_grad():
         m.weight.mul_(1.5)
     assert same_bits(m(x), torch_api.rms_norm(x, m.weight, 1e-5))
+
+
+# --- norm math variants: gemma, olmo2, no weight ----------------------------------------------------
+
+VARIANTS = ["gemma", "olmo2", "none"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype, w_dtype", [("bfloat16", "bfloat16"), ("float16", "float32"), ("float32", "float32")])
+@pytest.mark.parametrize("width", [1, 64, 300, 5000])  # narrow tiles, row forward, backward tiles
+def test_variant_matches_oracle_and_torch_equals_jax(variant, dtype, w_dtype, width):
+    x, w, dy = _inputs(_rng("variant", variant, dtype, w_dtype, width), (7, width), dtype, w_dtype, variant)
+    eps = 0.1 if width == 1 else EPS  # width 1: see _eps_for (fp32 dx is ~6e-8 / eps relative there)
+    torch_out = _torch_run(x, w, dy, eps, variant)
+    assert torch_out[0].dtype == TORCH_DTYPES[dtype]  # no promotion: the output is x's dtype
+    _check_all(x, w, dy, eps, *torch_out, variant)
+    for name, a, b in zip(("y", "dx", "dw"), _jax_run(x, w, dy, eps, variant), torch_out):
+        assert (a is None and b is None) or same_bits(a, b), f"{name} differs between jax_api and torch_api"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("width", [9000, 20000, 70000])  # backward row kernel; statistics + column split; chunked
+def test_variant_wide_rows(variant, width):
+    x, w, dy = _inputs(_rng("variant wide", variant, width), (2, width), "bfloat16", None, variant)
+    torch_out = _torch_run(x, w, dy, EPS, variant)
+    _check_all(x, w, dy, EPS, *torch_out, variant)
+    for a, b in zip(_jax_run(x, w, dy, EPS, variant), torch_out):
+        assert (a is None and b is None) or same_bits(a, b)
+
+
+@pytest.mark.parametrize("variant", ["llama", *VARIANTS])
+def test_variant_forward_is_bitwise_eager(variant):
+    """bf16: the forward gives eager's bits for each variant's expression (rounding points in the same
+    places), and not those of the other variants (the check can fail)."""
+    from torch_api.hf import expected_output
+
+    x, w, dy = _inputs(_rng("variant eager", variant), (33, 300), "bfloat16", None, variant)
+    y = _torch_run(x, w, dy, EPS, variant)[0]
+    tx, tw = to_torch(x, "cpu"), None if w is None else to_torch(w, "cpu")
+    assert same_bits(y, expected_output(tx, tw, EPS, variant))
+    others = ["llama", "gemma", "olmo2"] if w is not None else []
+    for other in (o for o in others if o != variant):
+        assert not same_bits(y, expected_output(tx, tw, EPS, other)), other
+
+
+def test_variant_oracles_differ_where_the_math_differs():
+    """Each oracle rejects another variant's kernel output (gemma's 1 + w; olmo2's and no-weight's dtypes
+    and roundings in dw)."""
+    x, w, dy = _inputs(_rng("variant wrong"), (33, 128), "bfloat16", "float32")
+    y_llama, _, dw_llama = _torch_run(x, w, dy[:].astype(np.float32), EPS, "llama")
+    assert y_llama.dtype == torch.float32  # llama promotes with a float32 weight; the others do not
+    y_gemma, dx_gemma, _ = _torch_run(x, w, dy, EPS, "gemma")
+    with pytest.raises(AssertionError):
+        R.check(to_numpy(y_gemma), R.rms_norm_fwd(x, w, EPS, "olmo2"), "fwd")
+    with pytest.raises(AssertionError):
+        R.check(to_numpy(dx_gemma), R.rms_norm_bwd(x, w, dy, EPS, "olmo2")[0], "dx")
+
+
+def test_variant_module_and_bad_variants():
+    x = to_torch(rand(_rng("variant module"), (4, 64), "bfloat16"))
+    gemma = torch_api.RMSNorm(64, eps=1e-5, device=DEVICE, dtype=torch.bfloat16, variant="gemma")
+    assert torch.count_nonzero(gemma.weight) == 0 and "variant=gemma" in repr(gemma)  # 1 + 0: identity scale
+    plain = torch_api.RMSNorm(64, eps=1e-5, device=DEVICE, dtype=torch.bfloat16, weight=False)
+    assert plain.weight is None and not list(plain.parameters())
+    assert same_bits(gemma(x), plain(x)) and same_bits(plain(x), torch_api.rms_norm(x, None, 1e-5))
+    w = torch.ones(64, device=DEVICE, dtype=torch.bfloat16)
+    for bad, exc in (("Gemma", ValueError), ("none", ValueError), (1, TypeError)):
+        with pytest.raises(exc, match="variant must"):
+            torch_api.rms_norm(x, w, variant=bad)
+        with pytest.raises(exc, match="variant must"):
+            jax_api.rms_norm(jnp.ones((4, 64)), jnp.ones(64), variant=bad)
+        with pytest.raises(exc, match="variant must"):
+            torch_api.RMSNorm(64, variant=bad)
+    with pytest.raises(TypeError, match="weight must be a jax array"):
+        jax_api.rms_norm(jnp.ones((4, 64)), [1.0] * 64)
 
 
 # --- JAX transformations ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import torch
 
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
-from torch_api.hf import replace_rms_norm
+from torch_api.hf import patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -17,8 +17,10 @@ __all__ = [
     "ep_dispatch",
     "generate_permute_indices",
     "inverse_permutation",
+    "patch_hf_classes",
     "permute_rows",
     "replace_rms_norm",
     "rms_norm",
+    "unpatch_hf_classes",
     "unpermute_rows",
 ]

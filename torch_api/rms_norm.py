@@ -9,6 +9,8 @@ paths execute the same recipe from `xkern/rms_norm.py`. Math and rounding: see t
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from torch_api._launch import (
@@ -24,56 +26,68 @@ from torch_api._launch import (
     rows_view,
     run_recipe,
 )
-from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
+from xkern.rms_norm import check_rms_norm, check_variant, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
-def _check(x, weight, eps) -> None:
+def _check(x, weight, eps, variant) -> str:
+    """The core's rules for one call; returns the kernel variant ("none" without a weight)."""
     check_tensor("x", x)
-    check_tensor("weight", weight)
-    check_rms_norm(dtype_name(x.dtype), tuple(x.shape), dtype_name(weight.dtype), tuple(weight.shape), eps)
+    if weight is not None:
+        check_tensor("weight", weight)
+    _, variant = check_rms_norm(dtype_name(x.dtype), tuple(x.shape),
+                                None if weight is None else dtype_name(weight.dtype),
+                                None if weight is None else tuple(weight.shape), eps, variant)
     check_device("x", x)
-    check_device("weight", weight, like=x)
+    if weight is not None:
+        check_device("weight", weight, like=x)
+    return variant
 
 
-def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
+def _flat_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
     # Kernels read the weight as contiguous: one copy for strided or expanded weights.
-    return weight if weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
+    return weight if weight is None or weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
+
+
+def _w_dtype(weight) -> str | None:
+    return None if weight is None else dtype_name(weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Registered ops: torch.compile, export, DTensor, fake tensors.
 
 
+# `variant` is check_variant's ("none" without a weight: `weight` is then None).
 @register_op("xkern::rms_norm_fwd")
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     x2 = rows_view(x)
     # int(): the plan depends on the shape, so a compiled graph specializes on it (guards, no symbols).
-    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
-                                 dtype_name(weight.dtype), int(x2.stride(0)))
+    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), _w_dtype(weight),
+                                 int(x2.stride(0)), variant)
     (y,) = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight))
     return y.view(x.shape)
 
 
 @register_op("xkern::rms_norm_bwd")
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                 eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """dx, and dw (of shape [0] without a weight: an op returns no None)."""
     x2, dy2 = rows_view(x), rows_view(dy)
-    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
-                                 dtype_name(weight.dtype), int(x2.stride(0)), int(dy2.stride(0)))
+    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), _w_dtype(weight),
+                                 int(x2.stride(0)), int(dy2.stride(0)), variant=variant)
     dx, dw = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight), dy=dy2)
-    return dx.view(x.shape), dw.view(weight.shape)
+    return dx.view(x.shape), dw.view(-1)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps, variant = inputs
     ctx.save_for_backward(x, weight)
-    ctx.eps = eps
+    ctx.eps, ctx.variant = eps, variant
 
 
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps)
-    return dx, dw, None
+    dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, ctx.variant)
+    return dx, None if weight is None else dw, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -84,12 +98,12 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _Forward:
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        _check(x, weight, eps)
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
+        variant = _check(x, weight, eps, variant)
         x2 = rows_view(x)
         self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0  # not viewable as rows: one copy
-        recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
-                                     dtype_name(weight.dtype), x2.stride(0))
+        recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype), _w_dtype(weight),
+                                     x2.stride(0), variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,97 +111,114 @@ class _Forward:
 
 
 class _Backward:
-    def __init__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    def __init__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
+        variant = check_variant(variant, weight is not None)
         x2, dy2 = rows_view(x), rows_view(dy)
         self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0
         self.copy_dy = dy2.data_ptr() != dy.data_ptr() and dy.numel() > 0
-        recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype),
-                                     dtype_name(weight.dtype), x2.stride(0), dy2.stride(0))
-        self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": weight.shape})
+        self.weighted = weight is not None
+        recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype), _w_dtype(weight),
+                                     x2.stride(0), dy2.stride(0), variant=variant)
+        self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
 
     def __call__(self, dy, x, weight):
-        return tuple(self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
-                              dy.contiguous() if self.copy_dy else dy))
+        dx, dw = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
+                          dy.contiguous() if self.copy_dy else dy)
+        return dx, dw if self.weighted else None
 
 
 _FORWARDS: dict = {}
 _BACKWARDS: dict = {}
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps)
+def _weight_key(weight):
+    return None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps, variant="llama") -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.device, _weight_key(weight), eps, variant)
     try:
         fwd = _FORWARDS.get(key)
-    except TypeError:  # an unhashable eps: the checks name it
+    except TypeError:  # an unhashable eps or variant: the checks name it
         fwd = None
     if fwd is None:
-        fwd = _FORWARDS[key] = _Forward(x, weight, eps)
+        fwd = _FORWARDS[key] = _Forward(x, weight, eps, variant)
     return fwd(x, weight)
 
 
-def _backward_direct(dy, x, weight, eps):
-    key = (x.shape, x.stride(), x.dtype, dy.stride(), dy.dtype, weight.stride(), weight.dtype, x.device, eps)
+def _backward_direct(dy, x, weight, eps, variant):
+    key = (x.shape, x.stride(), x.dtype, dy.stride(), dy.dtype, _weight_key(weight), x.device, eps, variant)
     bwd = _BACKWARDS.get(key)
     if bwd is None:
-        bwd = _BACKWARDS[key] = _Backward(dy, x, weight, eps)
+        bwd = _BACKWARDS[key] = _Backward(dy, x, weight, eps, variant)
     return bwd(dy, x, weight)
 
 
-def _jvp_math(x, weight, eps, tx, tw):
-    """Forward-mode tangent of `w * (x.f32 * rstd).to(x.dtype)` (closed form, fp32, rounded as eager rounds
-    the primal: the normalised tangent to x's dtype, the result to the output dtype)."""
+def reference_math(x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str = "llama") -> torch.Tensor:
+    """The variant's eager expression in torch ops, as Hugging Face's modules compute it (`normed` in fp32):
+    llama `w * normed.to(x.dtype)`, gemma `(normed * (1 + w.float())).to(x.dtype)`, olmo2
+    `(w * normed).to(x.dtype)`, no weight `normed.to(x.dtype)`. xkern's forward-mode tangents and second
+    derivatives are this expression's (the kernels give the first derivatives)."""
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n = xf * rstd
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    ty = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if tx is not None:
-        txf = tx.float()
-        tn = rstd * (txf - n * (n * txf).mean(-1, keepdim=True))
-        ty = ty + weight.float() * tn.to(x.dtype).float()
-    if tw is not None:
-        ty = ty + tw.float() * n.to(x.dtype).float()
-    return ty.to(out_dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None or variant == "none":
+        return normed.to(x.dtype)
+    if variant == "llama":
+        return weight * normed.to(x.dtype)
+    if variant == "gemma":
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (weight * normed).to(x.dtype)
+
+
+def _math(eps, variant):
+    """reference_math as a function of the differentiable arguments (x, or x and w)."""
+    return lambda x, w=None: reference_math(x, w, eps, variant)
+
+
+def _present(*pairs):
+    """The (primal, tangent) pairs whose primal is a tensor, with zero tangents for None."""
+    primals = tuple(p for p, _ in pairs if p is not None)
+    tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in pairs if p is not None)
+    return primals, tangents
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """Eager autograd over the direct launches: backward is the joint kernel, jvp the closed form, vmap
-    more rows (or one call per example for a batched weight)."""
+    """Eager autograd over the direct launches: backward is the joint kernel, jvp the eager expression's,
+    vmap more rows (or one call per example for a batched weight)."""
 
     @staticmethod
-    def forward(x, weight, eps):
-        return _forward(x, weight, eps)
+    def forward(x, weight, eps, variant):
+        return _forward(x, weight, eps, variant)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, eps = inputs
+        x, weight, eps, variant = inputs
         ctx.save_for_backward(x, weight)
         ctx.save_for_forward(x, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.variant = eps, variant
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if needs_autograd(dy, x, weight):  # create_graph or torch.func: a differentiable node
-            dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps)
+        if needs_autograd(dy, x, *([] if weight is None else [weight])):  # create_graph or torch.func
+            dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps, ctx.variant)
         else:
-            dx, dw = _backward_direct(dy, x, weight, ctx.eps)
-        return dx, dw, None
+            dx, dw = _backward_direct(dy, x, weight, ctx.eps, ctx.variant)
+        return dx, dw, None, None
 
     @staticmethod
-    def jvp(ctx, tx, tw, _):
+    def jvp(ctx, tx, tw, *_):
         x, weight = ctx.saved_tensors
-        return _jvp_math(x, weight, ctx.eps, tx, tw)
+        return torch.func.jvp(_math(ctx.eps, ctx.variant), *_present((x, tx), (weight, tw)))[1]
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, eps):
+    def vmap(info, in_dims, x, weight, eps, variant):
         x_dim, w_dim = in_dims[0], in_dims[1]
-        if w_dim is None:
-            x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-            return _RMSNormFunction.apply(x, weight, eps), 0
-        weight = weight.movedim(w_dim, 0)
         xs = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-        return torch.stack([_RMSNormFunction.apply(a, b, eps) for a, b in zip(xs, weight)]), 0
+        if w_dim is None:
+            return _RMSNormFunction.apply(xs, weight, eps, variant), 0
+        weight = weight.movedim(w_dim, 0)
+        return torch.stack([_RMSNormFunction.apply(a, b, eps, variant) for a, b in zip(xs, weight)]), 0
 
 
 # autograd.Function.apply binds default arguments with inspect.signature on every call (a third of the
@@ -197,68 +228,80 @@ _apply_rms_norm = fast_apply(_RMSNormFunction)
 
 class _RMSNormBackward(torch.autograd.Function):
     """The joint backward as a graph node (create_graph, torch.func). Its own derivatives (double backward,
-    jvp of grad: Hessian-vector products) are taken through `_backward_math`, the same formula in torch
-    ops."""
+    jvp of grad: Hessian-vector products) are taken through `reference_math`'s backward."""
 
     @staticmethod
-    def forward(dy, x, weight, eps):
-        return _backward_direct(dy, x, weight, eps)
+    def forward(dy, x, weight, eps, variant):
+        return _backward_direct(dy, x, weight, eps, variant)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        dy, x, weight, eps = inputs
+        dy, x, weight, eps, variant = inputs
         ctx.save_for_backward(dy, x, weight)
         ctx.save_for_forward(dy, x, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.variant = eps, variant
 
     @staticmethod
     def backward(ctx, ddx, ddw):
         dy, x, weight = ctx.saved_tensors
-        _, vjp = torch.func.vjp(lambda *a: _backward_math(*a, ctx.eps), dy, x, weight)
-        return (*vjp((ddx, ddw)), None)
+        primals, cotangents = _present((dy, None), (x, None), (weight, None))[0], (ddx, ddw)
+        _, vjp = torch.func.vjp(_backward_math(ctx.eps, ctx.variant), *primals)
+        grads = vjp(tuple(c for c in cotangents if c is not None) if weight is None else cotangents)
+        return (*grads, *([None] if weight is None else []), None, None)
 
     @staticmethod
-    def jvp(ctx, tdy, tx, tw, _):
-        primals = ctx.saved_tensors
-        tangents = [torch.zeros_like(p) if t is None else t for p, t in zip(primals, (tdy, tx, tw))]
-        return torch.func.jvp(lambda *a: _backward_math(*a, ctx.eps), primals, tuple(tangents))[1]
+    def jvp(ctx, tdy, tx, tw, *_):
+        dy, x, weight = ctx.saved_tensors
+        out = torch.func.jvp(_backward_math(ctx.eps, ctx.variant), *_present((dy, tdy), (x, tx), (weight, tw)))[1]
+        return out if weight is not None else (out[0], None)
 
 
-def _backward_math(dy, x, weight, eps):
-    """The joint backward in torch ops, with the kernel's rounding points (differentiable)."""
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n = xf * rstd
-    g = (dy.float() * weight.float()).to(x.dtype).float()
-    dx = (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
-    dw = (dy.float() * n.to(x.dtype).float()).to(dy.dtype).float().reshape(-1, x.shape[-1]).sum(0)
-    return dx, dw.to(weight.dtype)
+def _backward_math(eps, variant):
+    """(dy, x[, w]) -> the backward of reference_math (dx, and dw with a weight): differentiable."""
+    math_fn = _math(eps, variant)
+
+    def backward(dy, *primals):
+        _, vjp = torch.func.vjp(math_fn, *primals)
+        return vjp(dy)
+
+    return backward
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+             variant: str = "llama") -> torch.Tensor:
     """Hugging Face Llama RMSNorm over the last dim: `w * (x.float() * rsqrt(mean(x.float()**2) + eps))
-    .to(x.dtype)`, fp32 statistics, differentiable in `x` and `weight` (backward, forward-mode AD, vmap).
+    .to(x.dtype)`, fp32 statistics, differentiable in `x` and `weight` (backward, forward-mode AD, vmap,
+    second derivatives).
 
     x: [..., N], float16 / bfloat16 / float32, any N >= 0 and any layout, CUDA (or CPU under
     TRITON_INTERPRET=1). weight: [N], float16 / bfloat16 / float32, any stride; the output dtype is
-    eager's promotion of the two (float32 when they differ).
+    eager's promotion of the two (float32 when they differ). None: no weight, `normed.to(x.dtype)`
+    (Llama4's L2 norm). variant: the math around `normed = x.float() * rsqrt(...)`: "llama" (above),
+    "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
-    if eager(x, weight):
-        if not needs_autograd(x, weight):
-            return _forward(x, weight, eps)
+    if eager(x) and (weight is None or eager(weight)):
+        if not needs_autograd(x, *([] if weight is None else [weight])):
+            return _forward(x, weight, eps, variant)
         if not functorch_active():
-            return _apply_rms_norm(x, weight, eps)
-        return _RMSNormFunction.apply(x, weight, eps)
-    _check(x, weight, eps)
-    return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps))
+            return _apply_rms_norm(x, weight, eps, variant)
+        return _RMSNormFunction.apply(x, weight, eps, variant)
+    variant = _check(x, weight, eps, variant)
+    return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps), variant)
 
 
 class RMSNorm(torch.nn.Module):
-    """Drop-in Llama-style RMSNorm module: `weight` (ones at init) and `eps`, forward = `rms_norm`."""
+    """Drop-in Hugging Face-style RMSNorm module: `weight` and `eps`, forward = `rms_norm`.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+    variant: as `rms_norm`'s; the weight starts at ones, or zeros for "gemma" (whose scale is `1 + w`), so a
+    fresh module is the identity scale. weight=False: no weight parameter (`normed.to(x.dtype)`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, variant: str = "llama",
+                 weight: bool = True):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variant = variant
+        check_variant(variant, weight)
+        init = torch.zeros if variant == "gemma" else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype)) if weight else None
         self.variance_epsilon = eps
 
     @property
@@ -266,7 +309,8 @@ class RMSNorm(torch.nn.Module):
         return self.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
+        return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, xkern"
+        shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else "no weight, "
+        return f"{shape}eps={self.variance_epsilon}" + (f", variant={self.variant}" if self.variant != "llama" else "")

@@ -1,6 +1,7 @@
 """FP64 reference oracles (numpy only) and ULP metrics, shared by both front ends' tests and benchmarks.
 
-The oracles compute in float64 and round exactly where eager PyTorch rounds (Hugging Face Llama RMSNorm),
+The oracles compute in float64 and round exactly where eager PyTorch rounds (Hugging Face's Llama RMSNorm,
+and the Gemma, OLMo-2 and weightless variants),
 so a kernel is judged against the truth of the contract, not against a peer. 16-bit dtypes come from
 `ml_dtypes` (bfloat16) and numpy (float16).
 """
@@ -33,49 +34,89 @@ def promote(x_dtype, w_dtype) -> np.dtype:
     return x_dtype if x_dtype == w_dtype else np.dtype(np.float32)
 
 
+def out_dtype(x_dtype, w_dtype, variant: str = "llama") -> np.dtype:
+    """Output dtype of a variant: promote(x, w) for "llama" with a weight, x's dtype otherwise."""
+    return promote(x_dtype, w_dtype) if variant == "llama" and w_dtype is not None else np_dtype(x_dtype)
+
+
 FP32_MAX = float(np.finfo(np.float32).max)
 
 
-def rms_norm_fwd(x, w, eps: float) -> np.ndarray:
-    """float64 y, the rounding of `normed.to(x.dtype)` applied; the caller compares in the output dtype.
-
-    Statistics are FP32 in the contract (and in eager): a row whose sum of squares passes FP32's range has
-    mean inf there, so rstd 0 and y = w * (x * 0) (NaN where x or w is infinite). NaN and Inf inputs
-    propagate as in IEEE arithmetic."""
-    x64 = np.asarray(x, np.float64)
+def _rstd(x64: np.ndarray, eps: float) -> np.ndarray:
+    """1 / sqrt(mean(x**2) + eps) per row, with FP32 statistics' range: in the contract (and in eager) a row
+    whose sum of squares passes FP32's range has mean inf, so rstd 0."""
     if x64.shape[-1] == 0:
-        return x64 * np.asarray(w, np.float64)
+        return np.ones(x64.shape[:-1] + (1,))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean_sq = np.mean(x64 * x64, axis=-1, keepdims=True)
         mean_sq = np.where(mean_sq * x64.shape[-1] > FP32_MAX, np.inf, mean_sq)
-        rstd = 1.0 / np.sqrt(mean_sq + eps)
-        return np.asarray(w, np.float64) * _round(x64 * rstd, x.dtype)
+        return 1.0 / np.sqrt(mean_sq + eps)
 
 
-def rms_norm_fwd_tol(x, w, eps: float) -> np.ndarray:
-    """Allowance for a float32 output (float32 weight, 16-bit x): `normed` computed in fp32 may round to
-    the neighbouring x.dtype value of the fp64 one, moving y by 2**-p of |y|. Zero when y is 16-bit."""
-    if promote(x.dtype, w.dtype) == np.dtype(x.dtype):
+def rms_norm_fwd(x, w, eps: float, variant: str = "llama") -> np.ndarray:
+    """float64 y with the variant's roundings before the last applied; the caller compares in the output
+    dtype. With normed = x * rstd (fp32 in eager, exact here):
+    llama `w * normed.to(x.dtype)`; gemma `normed * (1 + w)` (1 + w rounded to fp32, as `1.0 + w.float()`);
+    olmo2 `w * normed`; w None (any variant): `normed`."""
+    x64 = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore"):  # NaN and Inf inputs propagate as in IEEE arithmetic
+        n = x64 * _rstd(x64, eps)
+    if w is None:
+        return n
+    w64 = np.asarray(w, np.float64)
+    if variant == "llama":
+        return w64 * _round(n, x.dtype)
+    if variant == "gemma":
+        return n * _round(1.0 + w64, np.float32)
+    if variant == "olmo2":
+        return w64 * n
+    raise ValueError(f"variant must be 'llama', 'gemma' or 'olmo2', got {variant!r}")
+
+
+def rms_norm_fwd_tol(x, w, eps: float, variant: str = "llama") -> np.ndarray:
+    """Allowance for a float32 output (llama, float32 weight, 16-bit x): `normed` computed in fp32 may round
+    to the neighbouring x.dtype value of the fp64 one, moving y by 2**-p of |y|. Zero when y is x's dtype."""
+    if out_dtype(x.dtype, None if w is None else w.dtype, variant) == np.dtype(x.dtype):
         return np.zeros(())
     return np.abs(rms_norm_fwd(x, w, eps)) * 2.0 ** -ml_dtypes.finfo(np_dtype(x.dtype)).nmant
 
 
-def rms_norm_bwd(x, w, dy, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 (dx, dw, dw_tol) with eager autograd's rounding points: `dy * w` in the output dtype, then
-    to x.dtype; `dy * normed.to(x.dtype)` in the output dtype before the sum over rows.
+def rms_norm_bwd(x, w, dy, eps: float, variant: str = "llama") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 (dx, dw, dw_tol) with eager autograd's rounding points (dw and dw_tol None without a weight):
+    g = dL/d(normed): llama `dy * w` in the output dtype, then to x.dtype; gemma `dy * (1 + w)`; olmo2
+    `dy * w`; no weight `dy`. dx = rstd * (g - n * mean(g * n)).
+    dw = sum over rows of terms: llama `dy * normed.to(x.dtype)` rounded to the output dtype; olmo2
+    `dy * normed` rounded to w's dtype (the backward of the promoted `w * normed`); gemma `dy * normed` (fp32).
 
-    dw_tol is the cancellation allowance for dw: `normed` computed in fp32 may round to x.dtype one ULP
-    away from the fp64 one, moving a term by 2**-p of its size; where the row sum cancels, that is many
-    ULPs of the result. An element of dw within sum_rows |term| * 2**-p of the truth is accepted."""
-    out_dtype = promote(x.dtype, w.dtype)
-    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
-    rstd = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    dw_tol is the cancellation allowance for dw: a term's operand computed in fp32 (normed, or the term
+    before its rounding) may round one ULP away from the fp64 one, moving the term by 2**-p of its size;
+    where the row sum cancels, that is many ULPs of the result. An element of dw within
+    sum_rows |term| * 2**-(p+1) of the truth is accepted (p: mantissa bits of the term's rounding dtype)."""
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    rstd = _rstd(x64, eps)
     n = x64 * rstd
-    g = _round(_round(dy64 * w64, out_dtype), x.dtype)
+    w64 = None if w is None else np.asarray(w, np.float64)
+    if w is None:
+        g = dy64
+    elif variant == "llama":
+        g = _round(_round(dy64 * w64, promote(x.dtype, w.dtype)), x.dtype)
+    elif variant == "gemma":
+        g = dy64 * _round(1.0 + w64, np.float32)
+    else:
+        g = dy64 * w64
     dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
-    terms = _round(dy64 * _round(n, x.dtype), out_dtype).reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    dw_tol = np.abs(terms).sum(axis=0) * 2.0 ** -(ml_dtypes.finfo(np_dtype(x.dtype)).nmant + 1)
-    return dx, terms.sum(axis=0), dw_tol
+    if w is None:
+        return dx, None, None
+    if variant == "llama":
+        term_dtype = promote(x.dtype, w.dtype)
+        terms = _round(dy64 * _round(n, x.dtype), term_dtype)
+        p = ml_dtypes.finfo(np_dtype(x.dtype)).nmant
+    else:
+        term_dtype = np_dtype(w.dtype) if variant == "olmo2" else np.dtype(np.float32)
+        terms = _round(dy64 * n, term_dtype)
+        p = ml_dtypes.finfo(term_dtype).nmant
+    terms = terms.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    return dx, terms.sum(axis=0), np.abs(terms).sum(axis=0) * 2.0 ** -(p + 1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ take a statistics pass first); rstd is recomputed from x, never stored:
     dw = sum_rows (dy * n.to(x.dtype)).to(dy.dtype), in fp32: one partial row per program, then summed
          over programs in a fixed order by `_dw_reduce_kernel` (deterministic, no atomics).
 
+Variants (constexpr VARIANT, see _scale below; the plans' shapes do not depend on it): GEMMA
+`y = (normed * (1 + w)).to(x.dtype)`, OLMO2 `y = (w * normed).to(x.dtype)`, NO_WEIGHT `y = normed.to(x.dtype)`,
+with normed = x * rstd in fp32. Their backward: g = dy * (1 + w), dy * w, dy, in fp32 (not rounded); dw
+terms: OLMO2 `(dy * n).to(w.dtype)`, GEMMA `dy * n` (fp32), NO_WEIGHT none (no partials, no reduction).
+
 Rows are addressed as `X + row * row_stride + col`, row offsets in int64, so any input whose last dim is
 contiguous and whose leading dims collapse to one stride is read in place.
 
@@ -51,7 +56,6 @@ from xkern.launch import (
     cdiv,
     check_row_count,
     next_pow2,
-    promote,
     row_align,
 )
 
@@ -63,13 +67,66 @@ def _inv(n_cols):
     return tl.math.div_rn(1.0, n_cols * 1.0)
 
 
+# Norm math variants (the constexpr VARIANT of every kernel): what multiplies `normed = x * rstd` (fp32) and
+# where eager PyTorch rounds. LLAMA `w * normed.to(x.dtype)`; GEMMA `(normed * (1 + w.float())).to(x.dtype)`;
+# OLMO2 `(w * normed).to(x.dtype)`; NO_WEIGHT `normed.to(x.dtype)` (W is not read, DW_PARTIAL not written).
+LLAMA, GEMMA, OLMO2, NO_WEIGHT = 0, 1, 2, 3
+
+
+@triton.jit
+def _scale(w, VARIANT: tl.constexpr):
+    # what multiplies normed outside LLAMA's rounding: GEMMA 1 + w, OLMO2 w, NO_WEIGHT 1
+    if VARIANT == 1:  # GEMMA
+        s = 1.0 + w
+    elif VARIANT == 2:  # OLMO2
+        s = w
+    else:
+        s = 1.0
+    return s
+
+
+@triton.jit
+def _scaled(normed, w, X_TY: tl.constexpr, VARIANT: tl.constexpr):
+    # y in fp32, before its one rounding to Y's dtype
+    if VARIANT == 0:  # LLAMA
+        y = w * normed.to(X_TY).to(tl.float32)
+    else:
+        y = normed * _scale(w, VARIANT)
+    return y
+
+
+@triton.jit
+def _grad_normed(dy, w, X_TY: tl.constexpr, VARIANT: tl.constexpr):
+    # g = dL/d(normed) in fp32, rounded where eager autograd rounds it: LLAMA's `dy * w` is formed in dy's
+    # dtype and taken to x.dtype (the backward of `.to(x.dtype)`); the others stay fp32.
+    if VARIANT == 0:  # LLAMA
+        g = (dy * w).to(X_TY).to(tl.float32)
+    else:
+        g = dy * _scale(w, VARIANT)
+    return g
+
+
+@triton.jit
+def _dw_terms(dy, n, X_TY: tl.constexpr, W_TY: tl.constexpr, DY_TY: tl.constexpr, VARIANT: tl.constexpr):
+    # One row's terms of dw (summed over rows in fp32), rounded as eager rounds them: LLAMA `dy * n.to(x.dtype)`
+    # in dy's dtype; OLMO2 `dy * n` taken to w's dtype (the backward of the promoted `w * n`); GEMMA none
+    # (dw = sum(dy * n) in fp32, then to w's dtype).
+    if VARIANT == 0:  # LLAMA
+        t = (dy * n.to(X_TY).to(tl.float32)).to(DY_TY).to(tl.float32)
+    elif VARIANT == 2:  # OLMO2
+        t = (dy * n).to(W_TY).to(tl.float32)
+    else:
+        t = dy * n
+    return t
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
 def _rms_norm_fwd_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
 ):
     # alignment from the plan, visible to the compiler; a width of 1 folded in, as jax-triton folds it
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
@@ -82,9 +139,8 @@ def _rms_norm_fwd_kernel(
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) * _inv(n_cols) + EPS)
-    normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = w[None, :] * normed
+    y = _scaled(x * rstd[:, None], w[None, :], X.dtype.element_ty, VARIANT)
     tl.store(Y + rows * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -94,6 +150,7 @@ def _rms_norm_fwd_row_kernel(
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
+    VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -114,7 +171,7 @@ def _rms_norm_fwd_row_kernel(
     if RELOAD:
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    y = w * (x * rstd).to(X.dtype.element_ty).to(tl.float32)
+    y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
     tl.store(Y + row * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -123,7 +180,7 @@ def _rms_norm_fwd_chunked_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -158,8 +215,8 @@ def _rms_norm_fwd_chunked_kernel(
             mask = cols < n_cols
             x_next = tl.load(x_row + cols, mask=mask, other=0.0)
             w_next = tl.load(W + cols, mask=mask, other=0.0)
-            normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
-            tl.store(y_row + cur_cols, (w * normed).to(Y.dtype.element_ty), mask=cur_mask)
+            y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
+            tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
@@ -168,7 +225,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -213,14 +270,14 @@ def _rms_norm_bwd_kernel(
         # per row, not per element) so that it adds 0 to dw.
         rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
         n = x * rstd
-        n_lp = n.to(X.dtype.element_ty).to(tl.float32)
-        g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
-        dw_acc += tl.sum((dy * n_lp).to(DY.dtype.element_ty).to(tl.float32), axis=0)
+        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
+        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx = rstd * (g - n * mean_gn)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
-    tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
+    if VARIANT != 3:  # NO_WEIGHT: no dw
+        tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
@@ -228,7 +285,7 @@ def _rms_norm_bwd_row_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -253,17 +310,18 @@ def _rms_norm_bwd_row_kernel(
         dy_ptrs = DY + row * dy_row_stride + cols
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+        g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) * inv_n + EPS)
         mean_gn = tl.sum(g * x, axis=0) * rstd * inv_n
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+        g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
         n = x * rstd
-        dw_acc += (dy * n.to(X.dtype.element_ty).to(tl.float32)).to(DY.dtype.element_ty).to(tl.float32)
+        dw_acc += _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT)
         dx = rstd * (g - n * mean_gn)
         tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=mask)
+    if VARIANT != 3:  # NO_WEIGHT: no dw
+        tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
@@ -271,7 +329,7 @@ def _rms_norm_bwd_stats_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride,
     STATS,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -290,7 +348,7 @@ def _rms_norm_bwd_stats_kernel(
         dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         sum_sq += x * x
-        sum_gx += (dy * w).to(X.dtype.element_ty).to(tl.float32) * x
+        sum_gx += _grad_normed(dy, w, X.dtype.element_ty, VARIANT) * x
     inv_n = _inv(n_cols)
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
     stats = STATS + (batch * n_rows + row) * 2
@@ -304,6 +362,7 @@ def _rms_norm_bwd_cols_kernel(
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -332,12 +391,13 @@ def _rms_norm_bwd_cols_kernel(
         x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         n = x * rstd
-        g = (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
         dx = rstd * (g - n * mean_gn)
         tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += tl.sum((dy * n.to(X.dtype.element_ty).to(tl.float32)).to(DY.dtype.element_ty).to(tl.float32),
+        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT),
                          axis=0)
-    tl.store(DW_PARTIAL + ((batch * n_groups + group) * n_cols + cols), dw_acc, mask=col_mask)
+    if VARIANT != 3:  # NO_WEIGHT: no dw
+        tl.store(DW_PARTIAL + ((batch * n_groups + group) * n_cols + cols), dw_acc, mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["n_partials", "n_cols"])
@@ -391,13 +451,38 @@ _BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)
 BWD_ROW_BLOCK = 16384
 
 
+VARIANTS = {"llama": LLAMA, "gemma": GEMMA, "olmo2": OLMO2}  # the front ends' `variant=` names
+
+
+def check_variant(variant, has_weight: bool) -> str:
+    """The kernel variant of a call: `variant` ("llama", "gemma" or "olmo2"), or "none" without a weight
+    (every variant then computes `normed.to(x.dtype)`). Raises TypeError/ValueError naming `variant`."""
+    if not isinstance(variant, str):
+        raise TypeError(f"variant must be a str, one of {sorted(VARIANTS)}, got {type(variant).__name__}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    return variant if has_weight else "none"
+
+
+def out_dtype_name(x_dtype: str, w_dtype: str | None, variant: str) -> str:
+    """Output dtype (a name: "bfloat16", ...) of `variant` from check_variant: x's, except LLAMA with a weight
+    of another dtype (float32), where eager promotion makes it float32."""
+    return "float32" if variant == "llama" and w_dtype != x_dtype else x_dtype
+
+
+def _variant_code(variant: str) -> int:
+    return NO_WEIGHT if variant == "none" else VARIANTS[variant]
+
+
 def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
-                      itemsize: int = 2) -> Launch:
+                      itemsize: int = 2, variant: str = "llama") -> Launch:
     """Forward launch; `row_strides` are the x and y row strides (default: contiguous, = n_cols);
-    `itemsize` the largest element size of x and w in bytes."""
+    `itemsize` the largest element size of x, w and y in bytes; `variant` from check_variant (the math only:
+    the launch shape does not depend on it)."""
     check_row_count("x", n_rows)  # the tile kernel numbers rows in int32
     check_row_count("x", n_cols, "columns")
-    fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
+    fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1,
+             "VARIANT": _variant_code(variant)}
     if n_cols > (MAX_FWD_BLOCK if itemsize <= 2 else MAX_FWD_BLOCK // 2):
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
@@ -415,23 +500,24 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
 class BwdPlan:
     """The backward's launches, in order. `stats` (rows wider than MAX_BWD_BLOCK only): x, w, dy -> STATS
     [n_batch * n_rows, 2] fp32, which `bwd` then takes as a fourth input. `bwd`: x, w, dy[, stats] -> dx and
-    dw partials [n_batch, n_partials, n_cols] fp32. `reduce`: partials -> dw [n_batch, n_cols]."""
+    dw partials [n_batch, n_partials, n_cols] fp32. `reduce`: partials -> dw [n_batch, n_cols]. Variant
+    "none": w is not read (pass any pointer, x say), no partials are written and there is no `reduce`."""
 
     stats: Launch | None
     bwd: Launch
-    reduce: Launch
+    reduce: Launch | None  # None for variant "none" (no weight, no dw; DW_PARTIAL is not written)
     n_partials: int
 
 
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
-                      n_batch: int = 1) -> BwdPlan:
+                      n_batch: int = 1, variant: str = "llama") -> BwdPlan:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
-    (default: contiguous)."""
+    (default: contiguous); `variant` from check_variant (the math only, as in the forward)."""
     check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
     check_row_count("x", n_cols, "columns")  # and the column-split kernels columns
     block_n = next_pow2(n_cols)
-    fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1}
+    fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1, "VARIANT": _variant_code(variant)}
     stats = None
     if n_cols > MAX_BWD_BLOCK:
         stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8,
@@ -452,7 +538,8 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                      {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch})
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
-    return BwdPlan(stats, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
+    reduce = None if variant == "none" else plan_dw_reduce(groups, n_cols, n_batch)
+    return BwdPlan(stats, bwd, reduce, groups)
 
 
 def plan_dw_reduce(n_partials: int, n_cols: int, n_batch: int = 1) -> Launch:
@@ -470,61 +557,70 @@ def plan_dw_reduce(n_partials: int, n_cols: int, n_batch: int = 1) -> Launch:
 # The op's contract, shared by both front ends: argument rules, then the launch recipes.
 
 
-def check_rms_norm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str, w_shape: tuple[int, ...], eps) -> str:
-    """Validate an `rms_norm(x, weight, eps)` call from dtype names and shapes; returns the output dtype
-    (eager's promotion of x and weight: float16 with bfloat16 gives float32)."""
+def check_rms_norm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str | None, w_shape: tuple[int, ...] | None,
+                   eps, variant="llama") -> tuple[str, str]:
+    """Validate an `rms_norm(x, weight, eps, variant=)` call from dtype names and shapes (w None: no weight);
+    returns the output dtype (`out_dtype_name`) and the kernel variant (`check_variant`)."""
+    variant = check_variant(variant, w_dtype is not None)
     if x_dtype not in FLOATS:
         raise TypeError(f"x must be float16, bfloat16 or float32, got {x_dtype}")
-    if w_dtype not in FLOATS:
+    if w_dtype is not None and w_dtype not in FLOATS:
         raise TypeError(f"weight must be float16, bfloat16 or float32, got {w_dtype}")
     if len(x_shape) == 0:
         raise ValueError("x must have at least one dimension [..., N], got a scalar")
-    if tuple(w_shape) != (x_shape[-1],):
+    if w_shape is not None and tuple(w_shape) != (x_shape[-1],):
         raise ValueError(f"weight must have shape [{x_shape[-1]}] (x's last dim), got {list(w_shape)}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not 0 <= eps < math.inf:
         raise ValueError(f"eps must be >= 0 and finite, got {eps}")
-    return promote(x_dtype, w_dtype)
+    return out_dtype_name(x_dtype, w_dtype, variant), variant
 
 
 @functools.lru_cache(maxsize=4096)
-def rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str,
-                        x_row_stride: int | None = None) -> Recipe:
+def rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
+                        x_row_stride: int | None = None, variant: str = "llama") -> Recipe:
     """Inputs x [n_rows, n_cols] (rows `x_row_stride` apart, default contiguous) and w [n_cols]
-    (contiguous); result y [n_rows, n_cols] contiguous."""
-    y_dtype = promote(x_dtype, w_dtype)
+    (contiguous; w_dtype None: no weight, variant "none", x is bound in its place and never read as w);
+    result y [n_rows, n_cols] contiguous."""
+    y_dtype = out_dtype_name(x_dtype, w_dtype, variant)
     y = Buffer("y", (n_rows, n_cols), y_dtype)
     if n_rows * n_cols == 0:
         return Recipe((Step(None, (), (y,)),), ("y",))
     x_row_stride = n_cols if x_row_stride is None else x_row_stride
-    itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype, y_dtype))
-    plan = plan_rms_norm_fwd(n_rows, n_cols, eps, (x_row_stride, n_cols), itemsize)
+    itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype or x_dtype, y_dtype))
+    plan = plan_rms_norm_fwd(n_rows, n_cols, eps, (x_row_stride, n_cols), itemsize, variant)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, y_row_stride=n_cols)
-    return Recipe((Step(plan, ("x", "w"), (y,), scalars),), ("y",))
+    return Recipe((Step(plan, ("x", "x" if w_dtype is None else "w"), (y,), scalars),), ("y",))
 
 
 @functools.lru_cache(maxsize=4096)
-def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str,
+def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
                         x_row_stride: int | None = None, dy_row_stride: int | None = None,
-                        n_batch: int = 1, dw_dtype: str | None = None) -> Recipe:
+                        n_batch: int = 1, dw_dtype: str | None = None, variant: str = "llama") -> Recipe:
     """Inputs x and dy [n_batch * n_rows, n_cols] (rows `*_row_stride` apart, default contiguous; dy of the
-    forward's output dtype) and w [n_cols]; results dx [n_batch * n_rows, n_cols] contiguous and dw
-    [n_batch, n_cols] (one per problem: n_batch > 1 only under jax.vmap) in `dw_dtype` (default w's;
-    float32 where shards' dw are summed before one rounding)."""
-    dw_dtype = dw_dtype or w_dtype
+    forward's output dtype) and w [n_cols] (w_dtype None: no weight, as in the forward); results dx
+    [n_batch * n_rows, n_cols] contiguous and dw [n_batch, n_cols] (one per problem: n_batch > 1 only under
+    jax.vmap) in `dw_dtype` (default w's; float32 where shards' dw are summed before one rounding). Without
+    a weight dw is [n_batch, 0]."""
+    dw_dtype = dw_dtype or w_dtype or x_dtype
     dx = Buffer("dx", (n_batch * n_rows, n_cols), x_dtype)
+    dw_cols = 0 if w_dtype is None else n_cols
     if n_rows * n_cols == 0:
-        return Recipe((Step(None, (), (dx, Buffer("dw", (n_batch, n_cols), dw_dtype, fill=0))),), ("dx", "dw"))
+        return Recipe((Step(None, (), (dx, Buffer("dw", (n_batch, dw_cols), dw_dtype, fill=0))),), ("dx", "dw"))
     x_row_stride = n_cols if x_row_stride is None else x_row_stride
     dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
-    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch)
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch, variant)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, dy_row_stride=dy_row_stride,
                    dx_row_stride=n_cols)
-    steps, inputs = [], ("x", "w", "dy")
+    steps, inputs = [], ("x", "x" if w_dtype is None else "w", "dy")
     if plan.stats is not None:
         steps.append(Step(plan.stats, inputs, (Buffer("stats", (n_batch * n_rows, 2), "float32"),), scalars))
         inputs += ("stats",)
+    if plan.reduce is None:  # no weight: the kernel writes no dw partials
+        steps.append(Step(plan.bwd, inputs, (dx, Buffer("partial", (1,), "float32")), scalars))
+        steps.append(Step(None, (), (Buffer("dw", (n_batch, 0), dw_dtype),)))
+        return Recipe(tuple(steps), ("dx", "dw"))
     partial = Buffer("partial", (n_batch * plan.n_partials, n_cols), "float32")
     steps.append(Step(plan.bwd, inputs, (dx, partial), scalars))
     steps.append(Step(plan.reduce, ("partial",), (Buffer("dw", (n_batch, n_cols), dw_dtype),),
@@ -699,14 +795,23 @@ def compile_variants():
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
                                                               MAX_FWD_BLOCK + 1)]
-    for x_dtype, w_dtype, n_cols, n_rows in cases:
-        y_dtype = promote(x_dtype, w_dtype)
+    cases = [(*case, "llama") for case in cases]
+    # The other variants: every kernel (each BLOCK_N once) and every dtype pair, each with its own rounding
+    # points; "none" reads x only (W bound to x).
+    variant_widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]
+    for variant in ("gemma", "olmo2", "none"):
+        cases += [("bfloat16", "bfloat16", n, 100_000, variant) for n in variant_widths]
+        cases += [(x, w, n, 100_000, variant) for x, w in pairs if variant != "none" or x == w
+                  for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1)]
+    for x_dtype, w_dtype, n_cols, n_rows, variant in cases:
+        y_dtype = out_dtype_name(x_dtype, w_dtype, variant)
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
                 "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
         ptrs["STATS"] = "*fp32"
-        bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6)
+        bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6, variant=variant)
         itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype, y_dtype))
-        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6, (), itemsize), bwd.stats, bwd.bwd, bwd.reduce):
+        for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6, (), itemsize, variant), bwd.stats, bwd.bwd,
+                       bwd.reduce):
             if launch is not None:
                 yield launch, ptrs
         if n_rows == 100_000 and n_cols in (1, 3, 300, 2052, 4096, 16384):  # the width-sharded kernels (a shard)
