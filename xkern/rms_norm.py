@@ -781,7 +781,8 @@ def plan_rms_norm_bwd_width_sharded(n_rows: int, n_cols: int, eps: float, row_st
     col_blocks = cdiv(n_cols, block_n)
     groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
     bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
-                 {"ROW_ALIGN": align, "ONE_COL": n_cols == 1, "BLOCK_M": block_m, "BLOCK_N": block_n})
+                 {"ROW_ALIGN": align, "ONE_COL": n_cols == 1, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "VARIANT": LLAMA})  # the width-sharded path computes the Llama math only
     return WidthShardedBwdPlan(sums, finish, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
 
 
