@@ -13,9 +13,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   PY=python3
   if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xkern-site .whl/*.whl
-    export PYTHONPATH=/tmp/xkern-site:$PYTHONPATH
+    export PYTHONPATH=/tmp/xkern-site:${PYTHONPATH:-}
   fi
-  export PYTHONPATH=$ROOT:$PYTHONPATH
+  export PYTHONPATH=$ROOT:${PYTHONPATH:-}
 else
   PYBIN=$(command -v python3.11 || (command -v pyenv >/dev/null && pyenv root >/dev/null && ls "$(pyenv root)"/versions/3.11*/bin/python3.11 2>/dev/null | head -1) || command -v python3)
   if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, hypothesis, transformers, jax_triton, kernels" 2>/dev/null; then
