@@ -242,7 +242,7 @@ def test_save_load_and_copies(tmp_path):
     assert torch_api.replace_rms_norm(loaded) == 3 and "xkern=llama" in repr(loaded)  # and patchable again
 
     model.save_pretrained(tmp_path)
-    fresh = AutoModelForCausalLM.from_pretrained(tmp_path)
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path).to(device=model.device, dtype=model.dtype)
     assert torch_api.replace_rms_norm(fresh) == 3
     assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
 

@@ -9,6 +9,7 @@ paths execute the same recipe from `xkern/rms_norm.py`. Math and rounding: see t
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ from torch_api._launch import (
     rows_view,
     run_recipe,
 )
+from xkern.launch import row_align
 from xkern.rms_norm import check_rms_norm, check_variant, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
@@ -46,6 +48,14 @@ def _check(x, weight, eps, variant) -> str:
 def _flat_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
     # Kernels read the weight as contiguous: one copy for strided or expanded weights.
     return weight if weight is None or weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
+
+
+def _aligned_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight as the eager path reads it: contiguous and 16-byte aligned (see `_in_place`)."""
+    if weight is None:
+        return None
+    weight = _flat_weight(weight)
+    return weight if weight.data_ptr() & 15 == 0 else weight.clone()
 
 
 def _w_dtype(weight) -> str | None:
@@ -97,33 +107,50 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # Eager: executors cached per call signature (validated once, on the first call of each).
 
 
+def _rows(t: torch.Tensor) -> tuple[bool, int]:
+    """Whether the eager path copies `t` (contiguous) rather than reading it in place, and the row stride it
+    then reads. In place: rows that collapse to one row stride with the alignment of a contiguous array's
+    (JAX's layout: another ROW_ALIGN would compile another binary, with other sum orders)."""
+    t2 = rows_view(t)
+    n_cols = t.shape[-1]
+    copy = t.numel() > 0 and (t2.data_ptr() != t.data_ptr() or row_align(n_cols, t2.stride(0)) != row_align(n_cols))
+    return copy, n_cols if copy else t2.stride(0)
+
+
+def _in_place(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`t` as the kernels read it: a contiguous copy, or t itself at a 16-byte-aligned address (as JAX's
+    buffers always are; Triton compiles misaligned pointers to another binary), else an aligned copy with
+    t's strides."""
+    if copy:
+        return t.contiguous() if t.data_ptr() & 15 == 0 else t.clone(memory_format=torch.contiguous_format)
+    if t.data_ptr() & 15 == 0:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 class _Forward:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = _check(x, weight, eps, variant)
-        x2 = rows_view(x)
-        self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0  # not viewable as rows: one copy
-        recipe = rms_norm_fwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype), _w_dtype(weight),
-                                     x2.stride(0), variant)
+        self.copy_x, x_row_stride = _rows(x)
+        recipe = rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
+                                     _w_dtype(weight), x_row_stride, variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight))[0]
+        return self.run(_in_place(x, self.copy_x), _aligned_weight(weight))[0]
 
 
 class _Backward:
     def __init__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = check_variant(variant, weight is not None)
-        x2, dy2 = rows_view(x), rows_view(dy)
-        self.copy_x = x2.data_ptr() != x.data_ptr() and x.numel() > 0
-        self.copy_dy = dy2.data_ptr() != dy.data_ptr() and dy.numel() > 0
+        (self.copy_x, x_row_stride), (self.copy_dy, dy_row_stride) = _rows(x), _rows(dy)
         self.weighted = weight is not None
-        recipe = rms_norm_bwd_recipe(x2.shape[0], x.shape[-1], float(eps), dtype_name(x.dtype), _w_dtype(weight),
-                                     x2.stride(0), dy2.stride(0), variant=variant)
+        recipe = rms_norm_bwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
+                                     _w_dtype(weight), x_row_stride, dy_row_stride, variant=variant)
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
 
     def __call__(self, dy, x, weight):
-        dx, dw = self.run(x.contiguous() if self.copy_x else x, _flat_weight(weight),
-                          dy.contiguous() if self.copy_dy else dy)
+        dx, dw = self.run(_in_place(x, self.copy_x), _aligned_weight(weight), _in_place(dy, self.copy_dy))
         return dx, dw if self.weighted else None
 
 
