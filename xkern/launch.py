@@ -144,7 +144,11 @@ def run_interpreted(fn, *args):
     with _WORKER_START:
         if _WORKER is None:
             _WORKER = concurrent.futures.ThreadPoolExecutor(1, "xkern-interpreter", _default_fp_env)
-    return _WORKER.submit(_locked, fn, *args).result()
+    try:
+        future = _WORKER.submit(_locked, fn, *args)
+    except RuntimeError:  # at exit: Python shuts thread pools down before atexit handlers drain pending work
+        return _locked(fn, *args)
+    return future.result()
 
 
 def _locked(fn, *args):
