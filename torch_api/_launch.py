@@ -128,17 +128,14 @@ def run_recipe(recipe: Recipe, device, **inputs: torch.Tensor) -> list[torch.Ten
     for step in recipe.steps:
         outs = [_alloc(b, device) for b in step.outputs]
         if step.launch is not None:
-            _launch_wrapped(step.launch, [env[n] for n in step.inputs] + outs, step.scalars)
+            launch(step.launch, *[env[n] for n in step.inputs], *outs, **step.scalars)
         env.update(zip((b.name for b in step.outputs), outs))
     return [env[n] for n in recipe.results]
 
 
 def launch(plan: Launch, *arrays: torch.Tensor, **scalars) -> None:
-    """Launch one plan on `arrays` (its inputs, then its outputs) and the runtime `scalars`."""
-    _launch_wrapped(plan, arrays, scalars)
-
-
-def _launch_wrapped(plan: Launch, arrays, scalars) -> None:
+    """Launch one plan on `arrays` (its inputs, then its outputs) through `wrap_triton` (traceable by
+    Inductor), or the interpreter; skipped while an interpreted op's fake implementation runs."""
     if getattr(_TRACING, "active", False):
         return
     kwargs = bind(plan, arrays, scalars)
