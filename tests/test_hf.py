@@ -129,7 +129,7 @@ def test_every_norm_class_in_transformers(record_property):
 
     by_name = {c.__name__: m for c, m in maths.items()}
     assert by_name["LlamaRMSNorm"] == hf.NormMath("llama", "variance_epsilon")
-    assert by_name["Llama4TextRMSNorm"] == hf.NormMath("llama", "eps")
+    assert by_name["Llama4TextRMSNorm"].variant == "llama"  # its eps attribute was renamed in transformers 5.25
     assert by_name["Llama4TextL2Norm"] == hf.NormMath("none", "eps")
     assert by_name["GemmaRMSNorm"] == hf.NormMath("gemma", "eps")
     assert by_name["Olmo2RMSNorm"].variant == "olmo2"
@@ -175,9 +175,19 @@ def test_probe_rejects_other_math():
     class SameMathRMSNorm(LlamaRMSNorm):  # a subclass with the same math is patched
         pass
 
+    class EpsNamedRMSNorm(torch.nn.Module):  # the same math with the eps stored as `eps`
+        def __init__(self, hidden_size=64, eps=1e-6):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(hidden_size)), eps
+
+        def forward(self, hidden_states):
+            xf = hidden_states.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
+
     for cls in (HardCodedEps, SqrtNotRsqrt, GatedRMSNorm):
         assert hf.norm_math(cls) is None, cls.__name__
     assert hf.norm_math(SameMathRMSNorm) == hf.NormMath("llama", "variance_epsilon")
+    assert hf.norm_math(EpsNamedRMSNorm) == hf.NormMath("llama", "eps")
     assert hf.norm_math(torch.nn.LayerNorm) is None and hf.norm_math(torch.nn.RMSNorm) is None
 
 
