@@ -5,8 +5,10 @@
   gradient match the same block with eager norms on one rank.
 - FSDP2 (`fully_shard`) of a small model with xkern norms: one SGD step matches the eager-norm model's.
 - The gathers on DTensors: hidden-sharded and index-sharded, equal to the plain tensors' results.
-- RMSNorm on a DTensor sharded on the hidden dim (1-D mesh, and rows x width on a 2-D mesh): no all-gather,
-  y, dx and dw within the contract of the FP64 oracle.
+- RMSNorm on a DTensor sharded on the hidden dim (1-D mesh, and rows x width on a 2-D mesh; w split like
+  the width or replicated): no all-gather, y, dx and dw within the contract of the FP64 oracle.
+- The other variants (Gemma, OLMo2, no weight) on DTensors sharded on rows (local) or on the width (gathered):
+  y and dx bitwise equal to one rank's, dw within the oracle's contract.
 Each world size runs in one child process that spawns its ranks (rank 0 prints one line per case).
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["tp block", "fsdp2", "gathers", "width sharded"]
+CASES = ["tp block", "fsdp2", "gathers", "width sharded", "variants"]
 DIM, HEADS, SEQ, BATCH, EPS = 32, 4, 8, 2, 1e-6
 
 
@@ -208,18 +210,18 @@ def _width_sharded(rank: int, world: int, mesh) -> None:
     import torch_api
     from xkern import reference as R
 
-    meshes = [(mesh, [Shard(2)])]
+    # (mesh, x's placements, w's): w split like the width, or replicated (then split by the op)
+    meshes = [(mesh, [Shard(2)], [Shard(0)]), (mesh, [Shard(2)], [Replicate()])]
     if world == 4:
-        meshes.append((init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(2)]))  # rows x width
+        meshes.append((init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(2)], [Replicate(), Shard(0)]))  # rows x width
     for dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(4)
         x, dy = torch.randn(2, 4, 8 * world).to(dtype), torch.randn(2, 4, 8 * world).to(dtype)
         w = (1 + 0.5 * torch.randn(8 * world)).to(dtype)
         want_y = R.rms_norm_fwd(to_numpy(x), to_numpy(w), EPS)
         want_dx, want_dw, dw_tol = R.rms_norm_bwd(to_numpy(x), to_numpy(w), to_numpy(dy), EPS)
-        for m, places in meshes:
+        for m, places, w_places in meshes:
             xd = distribute_tensor(x, m, places).requires_grad_()
-            w_places = [Shard(0) if p == Shard(2) else Replicate() for p in places]  # w split like the width
             wd = distribute_tensor(w, m, w_places).requires_grad_()
             with CommDebugMode() as comms:
                 y = torch_api.rms_norm(xd, wd, EPS)
@@ -232,6 +234,37 @@ def _width_sharded(rank: int, world: int, mesh) -> None:
             R.check(to_numpy(wd.grad.full_tensor()), want_dw, "dw", abs_ok=dw_tol)
 
 
+def _variants(rank: int, world: int, mesh) -> None:
+    import numpy as np
+    import torch
+    from helpers import to_numpy
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import torch_api
+    from xkern import reference as R
+
+    torch.manual_seed(5)
+    x, dy = torch.randn(2, 4, 8 * world).to(torch.bfloat16), torch.randn(2, 4, 8 * world).to(torch.bfloat16)
+    w = (0.5 * torch.randn(8 * world)).to(torch.bfloat16)
+    for variant, weight in (("gemma", w), ("olmo2", w), ("llama", None)):
+        xs = x.clone().requires_grad_()
+        ws = None if weight is None else weight.clone().requires_grad_()
+        want = torch_api.rms_norm(xs, ws, EPS, variant=variant)
+        want.backward(dy)
+        for place in (Shard(0), Shard(2)):  # rows: local; width: gathered (the width kernels are Llama's)
+            xd = distribute_tensor(x, mesh, [place]).requires_grad_()
+            wd = None if weight is None else distribute_tensor(weight, mesh, [Replicate()]).requires_grad_()
+            y = torch_api.rms_norm(xd, wd, EPS, variant=variant)
+            y.backward(distribute_tensor(dy, mesh, y.placements))
+            what = f"{variant}, weight {weight is not None}, x {place}"
+            assert torch.equal(y.full_tensor(), want), what
+            assert torch.equal(xd.grad.full_tensor(), xs.grad), what
+            if weight is not None:  # rows sharded: each rank's dw rounds to bf16 before the sum (one more rounding)
+                want_dw = R.rms_norm_bwd(to_numpy(x), to_numpy(w), to_numpy(dy), EPS, variant)[1]
+                err = np.abs(to_numpy(wd.grad.full_tensor()).astype(np.float64) - want_dw).max()
+                assert err <= world * 2.0**-8 * np.abs(want_dw).max(), f"dw {what}: max error {err:.3g}"
+
+
 def _rank(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -239,7 +272,7 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     report = {}
-    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded)):
+    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded, _variants)):
         try:
             fn(rank, world, mesh)
             report[name] = "ok"
@@ -248,8 +281,11 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     reports = [None] * world
     dist.all_gather_object(reports, report)
     if rank == 0:
-        print(json.dumps({k: next((r[k] for r in reports if r[k] != "ok"), "ok") for k in CASES}))
+        print(json.dumps({k: next((r[k] for r in reports if r[k] != "ok"), "ok") for k in CASES}), flush=True)
     dist.destroy_process_group()
+    # Skip the interpreter's teardown: torch 2.11's gloo aborts there now and then ("terminate called without
+    # an active exception"), after the report.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ the mesh dims that split the width, then each rank finishes its columns (the wid
 end of xkern/rms_norm.py). x is never gathered; w and dw are sharded like the width; dw is summed in fp32
 over the mesh dims that shard the rows (one all-reduce), then rounded once to w's dtype: the rounding of
 jax_api's path. It is a DTensor op handler (`_custom_op_handlers`, which torch's own `loss_parallel` uses)
-on rms_norm_fwd and rms_norm_bwd that hands every other placement to the strategies.
+on rms_norm_fwd and rms_norm_bwd that hands every other placement to the strategies. It takes the Llama math
+with a weight; the other variants (Gemma, OLMo2, no weight) go to the strategies, which gather the width
+(as jax_api does for them).
+
+Inside the ops' autograd, inputs move with `redistribute_local_tensor` rather than `DTensor.redistribute`
+(an autograd.Function: on torch 2.11 it detaches its result in place there, which DTensor cannot run).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
 import torch_api.permute  # noqa: F401  (registers the xkern::* ops)
@@ -43,16 +49,18 @@ R = Replicate()
 
 
 @register_sharding(_ops.rms_norm_fwd.default)
-def _rms_norm_fwd(x, weight, eps):
-    rules = [([R], [R, R, None])]
-    rules += [([Shard(d)], [Shard(d), R, None]) for d in range(x.ndim - 1)]
+def _rms_norm_fwd(x, weight, eps, variant="llama"):
+    w = None if weight is None else R  # no weight: a None input has no placement
+    rules = [([R], [R, w, None, None])]
+    rules += [([Shard(d)], [Shard(d), w, None, None]) for d in range(x.ndim - 1)]
     return rules
 
 
 @register_sharding(_ops.rms_norm_bwd.default)
-def _rms_norm_bwd(dy, x, weight, eps):
-    rules = [([R, R], [R, R, R, None])]
-    rules += [([Shard(d), Partial()], [Shard(d), Shard(d), R, None]) for d in range(x.ndim - 1)]
+def _rms_norm_bwd(dy, x, weight, eps, variant="llama"):
+    w, dw = (None, R) if weight is None else (R, Partial())  # no weight: dw is an empty placeholder
+    rules = [([R, R], [R, R, w, None, None])]
+    rules += [([Shard(d), dw], [Shard(d), Shard(d), w, None, None]) for d in range(x.ndim - 1)]
     return rules
 
 
@@ -102,16 +110,21 @@ def _dtensor(local: torch.Tensor, mesh, placements, shape) -> DTensor:
 
 
 def _local_inputs(x: DTensor, tensors, width: list[int]):
-    """x's local rows and the other tensors' local blocks laid out like x (w: its slice of the width)."""
-    mesh = x.device_mesh
+    """x's placements as the kernels take them, w's, and the local blocks: x's rows, and the other tensors
+    laid out like x ("x") or like the width ("w": w's slice of it, replicated elsewhere)."""
     # x: Partial is summed first; rows may stay sharded. w: sharded like the width, replicated elsewhere.
-    x_places = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
-    w_places = [Shard(0) if i in width else Replicate() for i in range(mesh.ndim)]
-    x = x.redistribute(mesh, x_places)
-    out = [x.to_local()]
-    for t, places in tensors:
-        out.append(t.redistribute(mesh, x_places if places == "x" else w_places).to_local())
-    return x, out, w_places
+    x_places = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+    w_places = tuple(Shard(0) if i in width else Replicate() for i in range(x.device_mesh.ndim))
+    out = [_local(x, x_places)] + [_local(t, x_places if places == "x" else w_places) for t, places in tensors]
+    return x_places, out, w_places
+
+
+def _local(t: DTensor, placements: tuple) -> torch.Tensor:
+    """t's local block under `placements`, moved without autograd (see the module's docstring)."""
+    if t.placements == placements:
+        return t._local_tensor
+    target = DTensorSpec(t.device_mesh, placements, tensor_meta=t._spec.tensor_meta)
+    return redistribute_local_tensor(t._local_tensor, t._spec, target)
 
 
 def _all_reduce(t: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
@@ -120,13 +133,20 @@ def _all_reduce(t: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
     return t
 
 
+def _width_path(x, weight, variant_args, kwargs) -> list[int]:
+    """The mesh dims that split x's width when the width-sharded kernels take the call (Llama math with a
+    weight); otherwise [] and the strategies take it (gathering the width)."""
+    variant = variant_args[0] if variant_args else kwargs.get("variant", "llama")
+    return _width_dims(x) if variant == "llama" and weight is not None else []
+
+
 def _rms_norm_fwd_handler(op_call, args, kwargs):
-    x, weight, eps = args
-    width = _width_dims(x)
+    x, weight, eps, *variant = args
+    width = _width_path(x, weight, variant, kwargs)
     if not width:
         with _strategies_only(op_call):
             return op_call(*args, **kwargs)
-    x, (xl, wl), _ = _local_inputs(x, [(weight, "w")], width)
+    x_places, (xl, wl), _ = _local_inputs(x, [(weight, "w")], width)
     n_cols = xl.shape[-1]
     x2 = rows_view(xl)
     n_rows = x2.shape[0]
@@ -138,16 +158,16 @@ def _rms_norm_fwd_handler(op_call, args, kwargs):
         sum_sq = torch.empty(n_rows, dtype=torch.float32, device=xl.device)
         launch(sums, x2, sum_sq, **scalars)
         launch(norm, x2, wl, _all_reduce(sum_sq, x.device_mesh, width), y, **scalars)
-    return _dtensor(y, x.device_mesh, x.placements, x.shape)
+    return _dtensor(y, x.device_mesh, x_places, x.shape)
 
 
 def _rms_norm_bwd_handler(op_call, args, kwargs):
-    dy, x, weight, eps = args
-    width = _width_dims(x)
+    dy, x, weight, eps, *variant = args
+    width = _width_path(x, weight, variant, kwargs)
     if not width:
         with _strategies_only(op_call):
             return op_call(*args, **kwargs)
-    x, (xl, dyl, wl), w_places = _local_inputs(x, [(dy, "x"), (weight, "w")], width)
+    x_places, (xl, dyl, wl), w_places = _local_inputs(x, [(dy, "x"), (weight, "w")], width)
     mesh, n_cols = x.device_mesh, xl.shape[-1]
     x2, dy2 = rows_view(xl), rows_view(dyl)
     n_rows = x2.shape[0]
@@ -166,9 +186,9 @@ def _rms_norm_bwd_handler(op_call, args, kwargs):
         launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=n_cols)
     # dw of this rank's rows, in fp32, summed over the mesh dims that shard the rows, then w's dtype once
     # (as jax_api's width-sharded path)
-    rows = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and i not in width]
+    rows = [i for i, p in enumerate(x_places) if isinstance(p, Shard) and i not in width]
     dw = _all_reduce(dw, mesh, rows).to(wl.dtype)
-    return (_dtensor(dx, mesh, x.placements, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
+    return (_dtensor(dx, mesh, x_places, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
 
 
 DTensor._op_dispatcher._custom_op_handlers.update({_ops.rms_norm_fwd.default: _rms_norm_fwd_handler,
