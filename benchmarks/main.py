@@ -3,9 +3,10 @@
     python -m benchmarks.main [--quick | --sweep [--part K/N] | --smoke] [--only OP] [--out DIR] [--budget-s S]
 
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
-step (`benchmarks/host.py`), then every case of every op (`benchmarks/runner.py`: each xkern result checked
-before it is timed). Writes `DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots
-generated from it, refreshes README's benchmarks section, and prints the tables last. `--sweep`: the
+step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
+every case of every op (`benchmarks/runner.py`: each xkern result checked before it is timed). Writes
+`DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots generated from it, refreshes
+README's benchmarks section, and prints the tables last. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
 and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`).
 
@@ -48,9 +49,9 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
 # Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
-# the host table with the block step (six compiled or eager configurations).
+# the host table with the block step (six compiled or eager configurations) and the sharded table (estimate).
 CASE_S = {"rms_norm": 15.0, "permute_rows": 4.0, "unpermute_rows": 4.0}
-HOST_S = 150.0
+HOST_S = 180.0
 
 
 def log(msg: str) -> None:
@@ -142,7 +143,7 @@ def output_stem(gpu: str, args) -> str:
 def run(args) -> int:
     import torch
 
-    from benchmarks import host, report, runner, timing
+    from benchmarks import host, report, runner, sharded, timing
 
     start = time.time()
     device = "cuda" if GPU else "cpu"
@@ -165,7 +166,7 @@ def run(args) -> int:
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
         "rms_norm": {"eps": 1e-6}, "permute": {},
-        "ceiling": None, "rows": [], "host": [], "block": [], "skipped": [],
+        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "skipped": [],
     }
     if "permute" in str(args.only) or args.only is None:
         from benchmarks.permute import ROUTING
@@ -192,6 +193,8 @@ def run(args) -> int:
         results["host"] = host.host_table(device, log)
         save()
         results["block"] = host.block_table(device, log)
+        save()
+        results["sharded"] = sharded.sharded_table(device, log)
     save()
 
     for i, (op, case, timed) in enumerate(work):
@@ -235,9 +238,12 @@ def failures(results: dict, strict: bool) -> int:
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r.get('check')}")
         elif r["status"].startswith("error") and (xkern or strict):
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r['status']}")
-    for r in results["host"] + results["block"]:
+    for r in results["host"] + results["block"] + results["sharded"]:
         if strict and r.get("status", "").startswith("error"):
-            bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode'))}: {r['status']}")
+            bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode', r.get('form')))}: {r['status']}")
+    for r in results["sharded"]:  # the sharded forms run the same kernels as the plain call
+        if r.get("bitwise_equal_plain") is False and "width" not in r["form"]:
+            bad.append(f"sharded {r['framework']} {r['form']}: not bitwise equal to the plain call")
     if strict:
         bad += results["skipped"]
     for line in bad:

@@ -137,6 +137,16 @@ def host_tables(results) -> list[str]:
         out += _table(["mode", "norm", "wall µs", "issue µs", "device µs"],
                       [[b["mode"], b["norm"], f"{b['wall_us']:.0f}", f"{b['issue_us']:.0f}",
                         f"{b['device_us']:.0f}" if b.get("device_us") is not None else ""] for b in block])
+    sharded = [r for r in results.get("sharded", []) if "device_us" in r]
+    if sharded:
+        out += ["", "**The sharded path on a 1-device mesh** (RMSNorm forward + backward, bf16): what the "
+                "partitioning costs over the plain call. JAX: device µs per jitted step. torch: host wall µs per "
+                "eager step at the small x, device µs at the large one.", ""]
+        out += _table(["framework", "form", "x", "device µs", "wall µs (small x)", "results vs plain"],
+                      [[r["framework"], r["form"], r["shape"], f"{r['device_us']:.1f}",
+                        f"{r['wall_us']:.0f} ({r['host_shape']})" if "wall_us" in r else "",
+                        "bitwise" if r["bitwise_equal_plain"] else f"max rel diff {r['max_rel_diff']:.1e}"]
+                       for r in sharded])
     return out
 
 

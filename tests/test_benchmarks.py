@@ -35,8 +35,10 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert {r["op"] for r in results["host"] if "wall_us" in r} >= {
         "floor", "rms_norm", "permute_rows", "unpermute_rows", "inverse_permutation", "generate_permute_indices"}
     assert sum("wall_us" in b for b in results["block"]) == 4  # eager and compile, two norms (graphs need CUDA)
+    forms = {(r["framework"], r["form"]) for r in results["sharded"] if "device_us" in r}
+    assert len(forms) == 7 and all(r["bitwise_equal_plain"] for r in results["sharded"] if "width" not in r["form"])
     md = path.with_suffix(".md").read_text()
-    assert "Host cost per call" in md and "width sweep" in md
+    assert "Host cost per call" in md and "width sweep" in md and "1-device mesh" in md
 
     from benchmarks import report  # the sweep's parts merged, and README's summary quoting the sweep
 
