@@ -37,7 +37,7 @@ def _readme_blocks() -> list[str]:
 
 def test_readme_torch_block_compiles_fullgraph_and_matches_eager():
     ns: dict = {}
-    exec(_readme_blocks()[0], ns)  # runs the example: compiled forward + backward
+    exec(_readme_blocks()[1], ns)  # runs the example: compiled forward + backward
     block, x = ns["block"], ns["x"].requires_grad_()
     grads = [p.grad.clone() for p in block.parameters()]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
@@ -57,6 +57,24 @@ def test_readme_torch_block_compiles_fullgraph_and_matches_eager():
     # attention, SiLU) round differently from eager: close, not bitwise
     for got_grad, want_grad in zip(grads, want[2:], strict=True):
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_readme_first_call_and_moe_gathers():
+    """The README's first call (torch and JAX: the same bits, the oracle's values) and its MoE block."""
+    ns: dict = {}
+    exec(_readme_blocks()[0], ns)
+    x, w, y = (to_numpy(ns[k].detach()) for k in ("x", "w", "y"))
+    assert np.array_equal(y.view(np.uint16), np.asarray(ns["y_jax"]).view(np.uint16))
+    R.check(y, R.rms_norm_fwd(x, w, EPS), "fwd")
+    want_dx, want_dw, dw_tol = R.rms_norm_bwd(x, w, np.ones_like(y), EPS)
+    R.check(to_numpy(ns["x"].grad), want_dx, "dx")
+    R.check(to_numpy(ns["w"].grad), want_dw, "dw", abs_ok=dw_tol)
+    ns = {}
+    exec(_readme_blocks()[3], ns)
+    assert ns["m_sizes"].tolist() == [4, 8] and ns["m_offsets"].tolist() == [4, 12]
+    idx = ns["idx"].tolist()
+    assert sorted(i for i in idx if i >= 0) == list(range(6)) and idx.count(-1) == 10
+    assert torch.equal(ns["y"], 2 * ns["x"]) and not ns["xp"][torch.tensor(idx) < 0].any()
 
 
 def _rms_inputs(shape=(3, 8), dtype="float32"):
@@ -183,7 +201,7 @@ def test_jax_shard_map_row_sharded():
 
 def test_readme_jax_training_step():
     ns: dict = {}
-    exec(_readme_blocks()[1], ns)
+    exec(_readme_blocks()[2], ns)
     params, x, y = ns["params"], ns["x"], ns["y"]
     assert np.isfinite(float(ns["value"]))
     # One more step by hand, with the reference RMSNorm in place of xkern's: same loss, same update.
