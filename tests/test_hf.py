@@ -129,12 +129,17 @@ def test_every_norm_class_in_transformers(record_property):
 
     by_name = {c.__name__: m for c, m in maths.items()}
     assert by_name["LlamaRMSNorm"] == hf.NormMath("llama", "variance_epsilon")
-    assert by_name["Llama4TextRMSNorm"].variant == "llama"  # its eps attribute was renamed in transformers 5.25
-    assert by_name["Llama4TextL2Norm"] == hf.NormMath("none", "eps")
     assert by_name["GemmaRMSNorm"] == hf.NormMath("gemma", "eps")
     assert by_name["Olmo2RMSNorm"].variant == "olmo2"
-    for name in ("GraniteRMSNorm", "Glm4RMSNorm", "SmolLM3RMSNorm", "MinistralRMSNorm", "Exaone4RMSNorm"):
-        assert by_name[name].variant == "llama", name
+    # Classes come and go between releases (5.25 dropped Llama4TextL2Norm, renamed Llama4TextRMSNorm's eps):
+    # these are checked where the installed release has them.
+    expected = {"Llama4TextRMSNorm": "llama", "Llama4TextL2Norm": "none", "GraniteRMSNorm": "llama",
+                "Glm4RMSNorm": "llama", "SmolLM3RMSNorm": "llama", "MinistralRMSNorm": "llama",
+                "Exaone4RMSNorm": "llama"}
+    for name, variant in expected.items():
+        if name in by_name:
+            assert by_name[name].variant == variant, name
+    assert sum(name in by_name for name in expected) >= 4
     for name in ("MambaRMSNormGated", "DeepseekV4UnweightedRMSNorm"):  # a gate input; rstd rounded to x.dtype
         if name in by_name:
             assert by_name[name] is None, name
