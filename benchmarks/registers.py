@@ -1,21 +1,24 @@
 """Registers and spills of the RMSNorm plans at the benchmark shapes, for sm_90, from this CPU machine.
 
-    python -m benchmarks.registers      (without TRITON_INTERPRET)
+    python -m benchmarks.registers [--sweep]      (without TRITON_INTERPRET)
 
 Compiles each plan's kernel as the launchers do (`xkern.compile_check.source`: 16-byte aligned pointers)
 and runs Triton's bundled `ptxas -v` on the PTX: a kernel that spills, or whose registers cap the warps
-per SM, is bound by the register file.
+per SM, is bound by the register file. `--sweep`: every width of the benchmark's width sweep (rows filling
+its 2^26 elements), as a markdown table with the occupancy the registers allow and the waves of programs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import tempfile
 
 import triton
 
-from benchmarks.rms_norm import SHAPES
+from benchmarks.rms_norm import SHAPES, SWEEP_ELEMS, SWEEP_WIDTHS
 from xkern import rms_norm as K
 from xkern.compile_check import TARGET, source
 
@@ -36,7 +39,44 @@ def ptxas_info(launch) -> str:
                      if "registers" in line or "spill" in line)
 
 
+# sm_90: registers and warps per SM, programs (CTAs) per SM, register allocation granularity per warp
+SM_REGS, SM_WARPS, SM_CTAS, REG_UNIT = 65536, 64, 32, 256
+
+
+def occupancy(regs: int, num_warps: int) -> int:
+    """Programs per SM the register file, the warp slots and the CTA slots allow (no shared memory limit:
+    these kernels use little)."""
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    return max(0, min(SM_REGS // (per_warp * num_warps), SM_WARPS // num_warps, SM_CTAS))
+
+
+def _row(name: str, launch) -> list[str]:
+    info = ptxas_info(launch)
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    per_sm = occupancy(regs, launch.num_warps)
+    grid = 1
+    for g in launch.grid:
+        grid *= g
+    tile = f"{launch.constexprs.get('BLOCK_M', 1)}×{launch.constexprs['BLOCK_N']}"
+    return [name, launch.kernel.fn.__name__.removeprefix("_rms_norm_").removesuffix("_kernel"), tile,
+            str(launch.num_warps), str(regs), spill.group(1) if spill else "0", str(per_sm),
+            str(per_sm * launch.num_warps), f"{grid / max(1, per_sm * K.NUM_SMS):.1f}"]
+
+
+def sweep():
+    print("| width | pass | kernel | tile | warps | registers | spill bytes | programs/SM | warps/SM | waves |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in SWEEP_WIDTHS:
+        m = SWEEP_ELEMS // n
+        for name, launch in (("fwd", K.plan_rms_norm_fwd(m, n, 1e-6)), ("bwd", K.plan_rms_norm_bwd(m, n, 1e-6).bwd)):
+            print(f"| {n} | " + " | ".join(_row(name, launch)) + " |", flush=True)
+
+
 def main():
+    if "--sweep" in sys.argv:
+        sweep()
+        return
     for m, n in SHAPES:
         bwd = K.plan_rms_norm_bwd(m, n, 1e-6)
         for name, launch in (("fwd", K.plan_rms_norm_fwd(m, n, 1e-6)), ("bwd", bwd.bwd)):

@@ -57,7 +57,7 @@ def fwd_candidates(m, n):
                 for w in (1, 2, 4, 8, 16, 32) for reload in (False, True) if 8 <= bn // (32 * w) <= 64]
     out += [Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
             for bm in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16, 32)
-            if 512 <= bm * bn <= 32768 and bn <= 256 and 8 <= bm * bn // (32 * w) <= 32]
+            if 512 <= bm * bn <= 32768 and bn <= 2048 and 8 <= bm * bn // (32 * w) <= 32]
     return out
 
 
