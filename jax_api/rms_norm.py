@@ -50,8 +50,8 @@ def _fwd_op(eps: float, variant: str):
 
     @jax.custom_batching.custom_vmap
     def op(x, weight):
-        if weight is None:
-            return body(x, None, eps)
+        if weight is None:  # no width-sharded kernels for it: a sharded width is gathered
+            return sharding.rms_norm_fwd(body, eps, x.ndim, False, weighted=False)(x)
         return sharding.rms_norm_fwd(body, eps, x.ndim, variant == "llama")(x, weight)
 
     @op.def_vmap
@@ -71,7 +71,7 @@ def _bwd_op(eps: float, variant: str, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
         if weight is None:
-            return body(dy, x, None, eps, n_batch_dims)
+            return sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, False, weighted=False)(dy, x), None
         return tuple(sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, variant == "llama")(dy, x, weight))
 
     @op.def_vmap

@@ -4,7 +4,8 @@ Every kernel call of the ops goes through a `jax.experimental.custom_partitionin
 `sharding_rule` (propagation) and a `partition` callback (what each device runs). On one device, and
 inside `shard_map` (where the arrays already are per-shard), the plain single-device function runs.
 
-RMSNorm, x [..., N] with any leading dims sharded over any mesh axes:
+RMSNorm, x [..., N] with any leading dims sharded over any mesh axes (every variant, with or without a
+weight; the width-sharded kernels compute the Llama math with a weight, the others gather a sharded width):
 - rows sharded (leading dims): each device runs the single-device kernels on its rows; y and dx keep x's
   sharding and are bitwise the single-device ones. dw: each device's fixed-order fp32 sum of its rows,
   all-reduced (psum) in fp32 over the axes that shard the rows, then rounded once to w's dtype. One device
@@ -85,9 +86,10 @@ def _factors(n: int, prefix: str = "r") -> list[str]:
 
 
 @functools.cache
-def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True):
+def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True, weighted: bool = True):
     """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned. Without `width_ok` (the
-    variants the width-sharded kernels do not compute) a sharded hidden dim is gathered first."""
+    variants the width-sharded kernels do not compute) a sharded hidden dim is gathered first. Without
+    `weighted`, the op takes x alone (`body(x, None, eps)`)."""
     rows = " ".join(_factors(ndim - 1))
 
     def partition(mesh, arg_shapes, result_shape):
@@ -96,21 +98,29 @@ def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True):
             dims[-1] = ()
         hidden = dims[-1]
         x_sharding = _named(mesh, dims)
+        if not weighted:
+            return mesh, _local(lambda x: body(x, None, eps)), x_sharding, (x_sharding,)
         if hidden:
             fn = functools.partial(_fwd_width_sharded, hidden, arg_shapes[0].shape[-1], eps)
         else:
             fn = lambda x, w: body(x, w, eps)  # noqa: E731
         return mesh, _local(fn), x_sharding, (x_sharding, _named(mesh, [hidden]))
 
+    if not weighted:
+        return _partitioned(lambda x: body(x, None, eps), partition, f"{rows} n -> {rows} n")
     return _partitioned(lambda x, w: body(x, w, eps), partition, f"{rows} n, n -> {rows} n")
 
 
 @functools.cache
-def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool = True):
+def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool = True, weighted: bool = True):
     """`body(dy, x, w, eps, n_batch_dims, dw_dtype)` (the single-device backward: dx, and dw with x's
-    leading `n_batch_dims` dims, those of vmap) partitioned; `width_ok` as in `rms_norm_fwd`."""
+    leading `n_batch_dims` dims, those of vmap) partitioned; `width_ok` as in `rms_norm_fwd`. Without
+    `weighted`: (dy, x) -> dx."""
     batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
     lead = " ".join(batch + rows)
+
+    def dx_only(dy, x):
+        return body(dy, x, None, eps, n_batch_dims)[0]
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[1])
@@ -119,6 +129,8 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool 
         hidden = dims[-1]
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
         x_sharding = _named(mesh, dims)
+        if not weighted:
+            return mesh, _local(dx_only), x_sharding, (x_sharding, x_sharding)
         n_total = arg_shapes[1].shape[-1]
 
         def fn(dy, x, w):
@@ -133,6 +145,8 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool 
         dw_sharding = _named(mesh, dims[:n_batch_dims] + [hidden])
         return mesh, _local(fn), (x_sharding, dw_sharding), (x_sharding, x_sharding, _named(mesh, [hidden]))
 
+    if not weighted:
+        return _partitioned(dx_only, partition, f"{lead} n, {lead} n -> {lead} n")
     rule = f"{lead} n, {lead} n, n -> {lead} n, {' '.join(batch)} n"
     return _partitioned(lambda dy, x, w: body(dy, x, w, eps, n_batch_dims), partition, rule)
 

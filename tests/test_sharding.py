@@ -37,7 +37,8 @@ GATHER_CASES = {
     "gather rows and hidden 2d": ("2d", ("data", "model"), ("data",), True),
 }
 CHECKS = ["fwd", "grad", "vmap", "remat"]
-CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["index ops", "readme step"]
+CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["variants", "index ops",
+                                                                                  "readme step"]
 
 
 @functools.cache
@@ -215,6 +216,42 @@ def _check_all(n_devices: int) -> dict:
 
     for name, params in NORM_CASES.items():
         norm_case(name, *params)
+
+    def variants():
+        """Gemma, OLMo-2 and no weight: rows sharded stay local (no all-gather), a sharded width is gathered
+        (the width-sharded kernels are Llama's); y and dx keep x's sharding and equal one device's bit for
+        bit, dw within its oracle's contract."""
+        x0 = rng.standard_normal((2, 8, 64)).astype(R.np_dtype("bfloat16"))
+        w0 = (0.5 * rng.standard_normal(64)).astype(R.np_dtype("bfloat16"))
+        dy0 = rng.standard_normal((2, 8, 64)).astype(R.np_dtype("bfloat16"))
+        for variant, weighted in (("gemma", True), ("olmo2", True), ("llama", False)):
+            def loss(x, w, dy, variant=variant, weighted=weighted):
+                y = jax_api.rms_norm(x, w if weighted else None, eps, variant=variant)
+                return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+            (_, (want_dx, _)) = step(*(jnp.asarray(a) for a in (x0, w0, dy0)))
+            for mesh_name, spec in (("2d", ("data", "model", None)), ("1d", (None, None, "d"))):
+                mesh = meshes[mesh_name]
+                x_sh = NamedSharding(mesh, P(*spec))
+                x, dy = jax.device_put(x0, x_sh), jax.device_put(dy0, x_sh)
+                w = jax.device_put(w0, NamedSharding(mesh, P(spec[-1])))
+                what = f"{variant}{'' if weighted else ', no weight'}, x {spec}"
+                _, (dx, dw) = step(x, w, dy)
+                sharded_like(dx, x_sh, "dx " + what)
+                same(dx, want_dx, "dx " + what)
+                f = jax.jit(lambda x, w, v=variant, weighted=weighted: jax_api.rms_norm(x, w if weighted else None,
+                                                                                       eps, variant=v))
+                y = f(x, w)
+                sharded_like(y, x_sh, "y " + what)
+                same(y, f(jnp.asarray(x0), jnp.asarray(w0)), "y " + what)
+                if spec[-1] is None:
+                    no_all_gather(step, x, w, dy)
+                if weighted:
+                    _, want_dw, dw_tol = R.rms_norm_bwd(x0, w0, dy0, eps, variant)
+                    R.check(np.asarray(dw), want_dw, "dw", abs_ok=dw_tol)
+
+    case("variants", variants)
 
     counts0 = np.array([3, 1, 2, 2, 0, 4, 1, 3], np.int32)  # 2 ranks x 4 experts, 16 rows
     one_idx = jax_api.generate_permute_indices(jnp.asarray(counts0), 4, 2, 24, 4)[0]
