@@ -14,6 +14,7 @@ import atexit
 import ctypes
 import functools
 import threading
+import time
 
 import jax
 import numpy as np
@@ -37,7 +38,25 @@ def _view(ptr: int, aval) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8, count=size).view(dtype).reshape(aval.shape)
 
 
+_ACTIVE = [0, 0.0]  # host calls running now, and when one last started or ended (time.monotonic())
+QUIET_S = 1.0       # at exit: no host call for this long means no computation is left running them
+
+
+def _mark(delta: int) -> None:
+    with _LOCK:
+        _ACTIVE[0] += delta
+        _ACTIVE[1] = time.monotonic()
+
+
 def _entry(out, ins, opaque, opaque_len, status):
+    _mark(1)
+    try:
+        _run(out, ins, opaque, opaque_len)
+    finally:
+        _mark(-1)
+
+
+def _run(out, ins, opaque, opaque_len):
     key = ctypes.string_at(opaque, opaque_len)
     run, in_avals, out_avals = _LAUNCHES[key]
     inputs = [_view(ins[i], a) for i, a in enumerate(in_avals)]
@@ -75,13 +94,18 @@ def _register() -> None:
 @atexit.register
 def _drain() -> None:
     """Finish pending computations before the interpreter shuts down: a custom call that runs then would
-    wait for the GIL forever (and the shutdown for it). Registered after jax's own exit hook, so runs first."""
+    wait for the GIL forever (and the shutdown for it). Registered after jax's own exit hook, so runs first.
+    Computations whose results were all dropped have no array to wait on: then wait until no host call has
+    run for QUIET_S (at most two minutes)."""
     if _LAUNCHES:
         for array in jax.live_arrays():
             try:
                 array.block_until_ready()
             except Exception:  # deleted or failed arrays: nothing pending
                 pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (_ACTIVE[0] or time.monotonic() - _ACTIVE[1] < QUIET_S):
+            time.sleep(0.05)
 
 
 host_call_p = core.Primitive("xkern_host_call")
