@@ -10,6 +10,7 @@ its 2^26 elements), as a markdown table with the occupancy the registers allow a
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -55,9 +56,7 @@ def _row(name: str, launch) -> list[str]:
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = re.search(r"(\d+) bytes spill stores", info)
     per_sm = occupancy(regs, launch.num_warps)
-    grid = 1
-    for g in launch.grid:
-        grid *= g
+    grid = math.prod(launch.grid)
     tile = f"{launch.constexprs.get('BLOCK_M', 1)}×{launch.constexprs['BLOCK_N']}"
     return [name, launch.kernel.fn.__name__.removeprefix("_rms_norm_").removesuffix("_kernel"), tile,
             str(launch.num_warps), str(regs), spill.group(1) if spill else "0", str(per_sm),
