@@ -126,8 +126,8 @@ def _torch_rows(device: str, log) -> list[dict]:
             row["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                                       for a, b in zip(got, want))
             small = leaves(HOST_SHAPES[device], form)
-            row["wall_us"], row["issue_us"] = timing.host_us_per_call(lambda: step(*small), sync, LOOP)
-            row["device_us"], row["timing"] = timing.torch_device_us(lambda: [functools.partial(step, *args)])
+            row["wall_us"], row["issue_us"] = timing.host_us_per_call(functools.partial(step, *small), sync, LOOP)
+            row["device_us"], row["timing"] = timing.torch_device_us(lambda args=args: [functools.partial(step, *args)])
         except Exception as err:  # noqa: BLE001
             row["status"] = error_status(err)
         log(f"sharded, torch, {name}: " + (f"wall {row['wall_us']:.0f} µs/step (small x), device "

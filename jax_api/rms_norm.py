@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like
-from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
+from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
 
 
 # `variant` is check_rms_norm's ("none" without a weight: `weight` is then None, and the recipe reads x alone).
@@ -45,14 +45,14 @@ def _bwd(dy, x, weight, eps, n_batch_dims, dw_dtype=None, variant="llama"):
 
 @functools.cache
 def _fwd_op(eps: float, variant: str):
-    # Partitioned under jit (jax_api/sharding.py); the width-sharded kernels compute the Llama math only.
+    # Partitioned under jit (jax_api/sharding.py).
     body = functools.partial(_fwd, variant=variant)
 
     @jax.custom_batching.custom_vmap
     def op(x, weight):
-        if weight is None:  # no width-sharded kernels for it: a sharded width is gathered
-            return sharding.rms_norm_fwd(body, eps, x.ndim, False, weighted=False)(x)
-        return sharding.rms_norm_fwd(body, eps, x.ndim, variant == "llama")(x, weight)
+        if weight is None:
+            return sharding.rms_norm_fwd(body, eps, x.ndim, width_sharded_ok(variant), weighted=False)(x)
+        return sharding.rms_norm_fwd(body, eps, x.ndim, width_sharded_ok(variant))(x, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, weight):
@@ -71,8 +71,10 @@ def _bwd_op(eps: float, variant: str, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
         if weight is None:
-            return sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, False, weighted=False)(dy, x), None
-        return tuple(sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, variant == "llama")(dy, x, weight))
+            return sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, width_sharded_ok(variant),
+                                         weighted=False)(dy, x), None
+        partitioned = sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, width_sharded_ok(variant))
+        return tuple(partitioned(dy, x, weight))
 
     @op.def_vmap
     def _(axis_size, in_batched, dy, x, weight):

@@ -42,7 +42,7 @@ from torch.distributed.tensor.experimental import register_sharding
 import torch_api.permute  # noqa: F401  (registers the xkern::* ops)
 import torch_api.rms_norm  # noqa: F401
 from torch_api._launch import launch, rows_view
-from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
+from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded, width_sharded_ok
 
 _ops = torch.ops.xkern
 R = Replicate()
@@ -134,10 +134,11 @@ def _all_reduce(t: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
 
 
 def _width_path(x, weight, variant_args, kwargs) -> list[int]:
-    """The mesh dims that split x's width when the width-sharded kernels take the call (Llama math with a
-    weight); otherwise [] and the strategies take it (gathering the width)."""
+    """The mesh dims that split x's width when the width-sharded kernels take the call; otherwise [] and
+    the strategies take it (gathering the width). The ops' `variant` is check_variant's ("none" without a
+    weight), "llama" when left out."""
     variant = variant_args[0] if variant_args else kwargs.get("variant", "llama")
-    return _width_dims(x) if variant == "llama" and weight is not None else []
+    return _width_dims(x) if width_sharded_ok(variant) and weight is not None else []
 
 
 def _rms_norm_fwd_handler(op_call, args, kwargs):

@@ -739,6 +739,12 @@ def _sums_tile(n_rows: int, n_cols: int) -> tuple[int, int]:
     return max(1, min(next_pow2(n_rows), SUMS_TILE // block_n)), block_n
 
 
+def width_sharded_ok(variant: str) -> bool:
+    """Whether the width-sharded kernels compute `variant` (check_variant's: "none" without a weight). They
+    compute the Llama math with a weight; a sharded width of any other variant is gathered first."""
+    return variant == "llama"
+
+
 def plan_rms_norm_fwd_width_sharded(n_rows: int, n_cols: int, eps: float,
                                     row_strides: tuple[int, ...] = ()) -> tuple[Launch, Launch]:
     """The forward of one shard of a width-sharded RMSNorm: (sums, norm). `sums`: x -> SUM_SQ [n_rows]
