@@ -41,7 +41,7 @@ def bench(fn) -> float:
 
 
 def _fixed(n, eps=True):
-    fixed = {"ROW_ALIGN": row_align(n), "ONE_COL": n == 1}
+    fixed = {"ROW_ALIGN": row_align(n), "ONE_COL": n == 1, "VARIANT": K.VARIANTS["llama"]}
     return {"EPS": EPS, **fixed} if eps else fixed
 
 

@@ -434,21 +434,27 @@ FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's r
 COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
 # Column-split backward tile: (BLOCK_M, BLOCK_N, num_warps, programs)
 _BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
-# Narrow-row forward tiles by BLOCK_N: (BLOCK_M, num_warps); narrower rows: 1024-element tiles, 2 warps.
-_FWD_TILES = {64: (16, 1), 128: (16, 2), 256: (4, 2)}
+FWD_TILE_BELOW = 768     # the forward takes rows narrower than this in tiles of several rows
+FWD_TILE_ELEMS = 2048    # a forward tile's elements (BLOCK_M x BLOCK_N) from 128 wide, 2 warps
 # Row-kernel widths that read x twice (RELOAD): faster there on the H200; at 16384 and up to 2048 holding
 # the row is as fast (numbers: docs/benchmarks.md, entry 7).
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
-# Backward tiles by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH), from the H200 sweep of
-# benchmarks/tune_rms_norm.py: small tiles with few warps and several programs per SM for narrow rows; one
-# row and many warps for wide rows. 16384 takes the row kernel.
-_BWD_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True), 512: (8, 8, 2, True),
-              1024: (4, 8, 2, True), 2048: (2, 8, 2, True), 4096: (1, 8, 2, True), 8192: (1, 16, 1, True)}
+# Backward tiles of narrow rows by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH): many rows per
+# tile, 16384 elements per SM. From 512: one row per tile, 8192 elements per SM, 8 elements per thread up to
+# 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entry 10).
+_BWD_NARROW_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
 # Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. Only there is it the
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
+
+
+def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
+    if block_n <= 256:
+        return _BWD_NARROW_TILES[max(block_n, 64)]
+    num_warps = min(8, block_n // 256) if block_n <= 4096 else block_n // 512
+    return 1, num_warps, max(1, 8192 // block_n), True
 
 
 VARIANTS = {"llama": LLAMA, "gemma": GEMMA, "olmo2": OLMO2}  # the front ends' `variant=` names
@@ -487,10 +493,15 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
-    if block_n > 256:  # a row per program, 16 elements per thread up to 16384, then 32 warps
+    if n_cols >= FWD_TILE_BELOW:  # a row per program, 16 elements per thread up to 16384, then 32 warps
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
                       {**fixed, "BLOCK_N": block_n, "RELOAD": block_n in _FWD_RELOAD})
-    block_m, num_warps = _FWD_TILES.get(block_n, (1024 // block_n, 2))  # narrow rows: tiles of many rows
+    # Narrower rows: tiles of several rows, so that enough bytes are in flight per SM (one-row programs of
+    # 1 or 2 warps reach only 0.5-0.85 of the copy ceiling at widths 257-767 on the H200).
+    if block_n <= 64:  # 1024-element tiles, 1 warp at 64
+        block_m, num_warps = 1024 // block_n, 1 if block_n == 64 else 2
+    else:
+        block_m, num_warps = FWD_TILE_ELEMS // block_n, 2
     block_m = max(1, min(block_m, next_pow2(n_rows)))
     return Launch(_rms_norm_fwd_kernel, (cdiv(n_rows, block_m),), num_warps,
                   {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
@@ -531,7 +542,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16, {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
     else:
-        block_m, num_warps, programs_per_sm, prefetch = _BWD_TILES[max(block_n, 64)]
+        block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
