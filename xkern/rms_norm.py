@@ -690,9 +690,10 @@ def _rms_norm_fwd_rstd_kernel(
     rstd = tl.rsqrt(sum_sq * _inv(n_total) + EPS)
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    normed = x * rstd[:, None]
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(Y + rows * y_row_stride + cols[None, :], (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+    y = _scaled(normed, w[None, :], X.dtype.element_ty, 0)  # 0: LLAMA
+    tl.store(Y + rows * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
@@ -719,7 +720,7 @@ def _rms_norm_bwd_sums_kernel(
         dy = tl.load(DY + rows64 * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         sum_sq += x * x
-        sum_gx += (dy * w[None, :]).to(X.dtype.element_ty).to(tl.float32) * x
+        sum_gx += _grad_normed(dy, w[None, :], X.dtype.element_ty, 0) * x  # 0: LLAMA
     tl.store(SUMS + rows * 2, tl.sum(sum_sq, axis=1), mask=row_mask)
     tl.store(SUMS + rows * 2 + 1, tl.sum(sum_gx, axis=1), mask=row_mask)
 
