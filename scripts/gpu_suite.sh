@@ -9,9 +9,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   "$PY" -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax_triton', jax_triton.__version__, 'numpy', numpy.__version__)"
-  # Kernel compiles dominate the run: spread the files over 8 processes (XDIST_N) where pytest-xdist is installed
-  # (it is on the H200 image); the GPU has room for all of them.
-  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-8} --dist loadfile")
+  # Kernel compiles dominate the run: spread the tests over 14 processes (XDIST_N) where pytest-xdist is
+  # installed (it is on the H200 image; 16 cores); the GPU has room for all of them. Test by test (`load`):
+  # by file, the largest file alone outlasted a device call.
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-14} --dist ${XDIST_DIST:-load}")
   timeout "${SUITE_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ 2>&1
   echo "pytest rc=$?"
 } | tee "$LOGS/gpu_suite.log"
