@@ -359,7 +359,7 @@ def test_class_patching_keeps_unprobed_subclasses_eager():
         real = hf.rms_norm
         hf.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
         x = torch.randn(2, 8, device=DEVICE)
-        sub = SubRMSNorm(8)
+        sub = SubRMSNorm(8).to(DEVICE)
         try:
             assert _same(sub(x), hf.original_forward(LlamaRMSNorm)(sub, x)) and not calls  # eager
         finally:
