@@ -159,8 +159,7 @@ def torch_make_calls(fn, pass_: str, inputs: Inputs):
 def _feed(dst, src):
     """The next iteration's input from this one's output: the output itself when it has the input's shape,
     else the input with its first row replaced (the loop then depends on every call at the cost of a row).
-    The barrier keeps XLA from computing only that row of an XLA op (a gather sliced to one row timed at
-    20-99x the copy ceiling on the H200)."""
+    The barrier keeps XLA from computing only that row of an XLA op (a gather, say)."""
     import jax
 
     if src.shape == dst.shape and src.dtype == dst.dtype:
@@ -178,14 +177,21 @@ def jax_loop(fn, pass_: str, sets, consts):
             return tuple((_feed(a[0], fn(*a, *c)),) + tuple(a[1:]) for a in state)
         return step, consts, tuple(tuple(jnp.copy(a) for a in args) for args, _ in sets)
     if pass_ == "bwd":
-        def step(vjps, state):  # state: (cot, grads) per set; vjps of forwards made before
+        # state: (cot, the other grads) per set; vjps of forwards made before. The first grad becomes the
+        # next cot; kept a second time in the state it would cost a copy of it per step (XLA gives each loop
+        # carry element its own buffer).
+        (x0, *_), cot0 = sets[0]
+        whole = x0.shape == cot0.shape and x0.dtype == cot0.dtype
+
+        def step(vjps, state):
             out = []
             for vjp, (cot, _) in zip(vjps, state, strict=True):
                 grads = tuple(vjp(cot))
-                out.append((_feed(cot, grads[0]), grads))
+                out.append((_feed(cot, grads[0]), grads[1:] if whole else grads))
             return tuple(out)
         vjps = tuple(jax.vjp(lambda *a: fn(*a, *consts), *args)[1] for args, _ in sets)
-        state = tuple((jnp.copy(cot), tuple(jnp.zeros_like(a) for a in args)) for args, cot in sets)
+        state = tuple((jnp.copy(cot), tuple(jnp.zeros_like(a) for a in (args[1:] if whole else args)))
+                      for args, cot in sets)
         return step, vjps, state
 
     def step(c, state):  # state: (args, cot) per set: args <- grads, cot <- y
