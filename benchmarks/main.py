@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -210,7 +209,6 @@ def run(args) -> int:
             results["skipped"].append(f"{case.label}: {type(err).__name__}: {err}")
             log(f"{case.label}: FAILED\n{traceback.format_exc(limit=-6)}")
         if GPU:
-            gc.collect()
             torch.cuda.empty_cache()
         spent = time.time() - start
         log(f"{case.label}: {time.time() - t0:.1f} s (total {spent:.0f} s, "

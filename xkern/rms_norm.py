@@ -496,8 +496,8 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     if n_cols >= FWD_TILE_BELOW:  # a row per program, 16 elements per thread up to 16384, then 32 warps
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
                       {**fixed, "BLOCK_N": block_n, "RELOAD": block_n in _FWD_RELOAD})
-    # Narrower rows: tiles of several rows, so that enough bytes are in flight per SM (one-row programs of
-    # 1 or 2 warps reach only 0.5-0.85 of the copy ceiling at widths 257-767 on the H200).
+    # Narrower rows: tiles of several rows, so that 2-warp programs keep enough bytes in flight per SM
+    # within its 32-program limit (docs/benchmarks.md, entries 9 and 10).
     if block_n <= 64:  # 1024-element tiles, 1 warp at 64
         block_m, num_warps = 1024 // block_n, 1 if block_n == 64 else 2
     else:
@@ -809,7 +809,7 @@ def compile_variants():
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
     dtype_pairs = [("bfloat16", "bfloat16")]
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
-    widths += [3, 300, 2052, 5000]  # every ROW_ALIGN
+    widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
