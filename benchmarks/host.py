@@ -4,9 +4,10 @@ this host, and a Llama-style block's training step, eager and compiled.
 Per call: a tight eager loop of calls with one synchronize at the end. `wall_us` counts that synchronize
 (per call), `issue_us` stops before it (the host's time while the device keeps up), `device_us` is the
 call captured in a CUDA graph and replayed (`timing.torch_device_us`). Forward calls run without autograd
-(inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`.
-The floor: an empty `torch.library` custom op, an empty Triton kernel launch, and `torch.autograd.grad`
-through a native op (F.rms_norm's row).
+(inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`,
+backward `torch.autograd.grad` through one kept forward. The floor: an empty `torch.library` custom op, an
+empty Triton kernel launched by Triton and by xkern's launcher, an autograd.Function of (x, w) that only
+allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row).
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def _rms_entries(device: str):
             continue
         yield "rms_norm", "fwd", name, shape, functools.partial(fn, x, w)
         yield "rms_norm", "fwd+bwd", name, shape, lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+        yield "rms_norm", "bwd", name, shape, functools.partial(_backward_alone, fn, xg, wg, dy, {})
+
+
+def _backward_alone(fn, x, w, dy, kept: dict):
+    """The backward's share of a step: torch.autograd.grad through one forward, made on the first call."""
+    import torch
+
+    if "y" not in kept:
+        kept["y"] = fn(x, w)
+    return torch.autograd.grad(kept["y"], (x, w), dy, retain_graph=True)
 
 
 def _gather_entries(device: str):
@@ -121,14 +132,21 @@ def _gather_entries(device: str):
 def _floor_entries(device: str):
     import torch
 
+    from torch_api._launch import _Launcher
+    from xkern.launch import Launch
+
     x = torch.zeros(16, device=device)
     yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
     yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
-    # What any Python-defined differentiable op pays in a torch.autograd.grad step before its own work.
-    xg, dy = x.clone().requires_grad_(), torch.ones_like(x)
+    # The launch path xkern's eager calls take (a prebuilt argument list, Triton's C launcher).
+    launcher, index = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {}), x.device.index
+    yield "floor", "fwd", "empty Triton kernel, xkern's launcher", "x 16 fp32", lambda: launcher([x], index)
+    # What any Python-defined differentiable op of (x, w) pays in a torch.autograd.grad step before its own
+    # work: the autograd.Function machinery and one allocation per result.
+    xg, wg, dy = x.clone().requires_grad_(), x.clone().requires_grad_(), torch.ones_like(x)
     alloc_only = _alloc_only_function()
-    yield "floor", "fwd+bwd", "autograd.Function, allocations only", "x 16 fp32", \
-        lambda: torch.autograd.grad(alloc_only.apply(xg), xg, dy)
+    yield "floor", "fwd+bwd", "autograd.Function of (x, w), allocations only", "x 16 fp32", \
+        lambda: torch.autograd.grad(alloc_only.apply(xg, wg), (xg, wg), dy)
 
 
 @functools.cache
@@ -137,12 +155,12 @@ def _alloc_only_function():
 
     class AllocOnly(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x):
+        def forward(ctx, x, w):
             return torch.empty_like(x)
 
         @staticmethod
         def backward(ctx, dy):
-            return torch.empty_like(dy)
+            return torch.empty_like(dy), torch.empty_like(dy)
 
     return AllocOnly
 

@@ -17,6 +17,7 @@ import operator
 import threading
 
 import torch
+from torch.autograd import forward_ad
 from triton import knobs
 
 from xkern.launch import INTERPRET, Launch, Recipe, bind, run_interpreted
@@ -44,20 +45,21 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def eager(*tensors: torch.Tensor) -> bool:
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_peek_functorch = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def eager(a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
     """Whether an eager call may launch directly (an `Executor`) rather than through the registered op:
-    plain tensors, not being compiled or traced, no dispatch mode active. Under a functorch transform the
-    op's autograd.Function takes the call (its forward then sees plain tensors)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    for t in tensors:
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            return False
-    return True
+    plain tensors (`b` may be None), not being compiled or traced, no dispatch mode active. Under a
+    functorch transform the op's autograd.Function takes the call (its forward then sees plain tensors)."""
+    return (type(a) in _PLAIN and (b is None or type(b) in _PLAIN) and not torch.compiler.is_compiling()
+            and not _dispatch_modes())
 
 
 def functorch_active() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _peek_functorch() is not None
 
 
 def fast_apply(function: type[torch.autograd.Function]):
@@ -68,12 +70,12 @@ def fast_apply(function: type[torch.autograd.Function]):
     return raw.__get__(None, function) if raw is not None else function.apply
 
 
-def needs_autograd(*tensors: torch.Tensor) -> bool:
-    """Whether an eager call must go through its autograd.Function: a tensor requires grad, forward-mode
-    AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            or torch.autograd.forward_ad._current_level >= 0
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+def needs_autograd(a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> bool:
+    """Whether an eager call must go through its autograd.Function: a tensor (None: absent) requires grad,
+    forward-mode AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
+    return (torch.is_grad_enabled() and (a.requires_grad or b is not None and b.requires_grad
+                                         or c is not None and c.requires_grad)
+            or forward_ad._current_level >= 0 or _peek_functorch() is not None)
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:

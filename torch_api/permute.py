@@ -111,11 +111,27 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
 _EXECUTORS: dict = {}
 
 
-def _executor(key, make_recipe, names):
-    ex = _EXECUTORS.get(key)
+def _cached(key, make) -> Executor:
+    """The executor cached under `key`, else `make()` (which checks the arguments first) cached there."""
+    try:
+        ex = _EXECUTORS.get(key)
+    except TypeError:  # an unhashable argument: make() names it
+        ex = None
     if ex is None:
-        ex = _EXECUTORS[key] = Executor(make_recipe(), names)
+        ex = _EXECUTORS[key] = make()
     return ex
+
+
+def _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment) -> Executor:
+    _check_index("tokens_per_expert_group", counts)
+    layout = check_layout(counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
+    return Executor(generate_recipe(*layout), ("counts",))
+
+
+def _inverse_executor(idx, num_rows) -> Executor:
+    _check_index("permuted_indices", idx)
+    check_int("num_rows", num_rows)
+    return Executor(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
 
 
 def _permute_eager(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -239,15 +255,18 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     `validate=True` (one host sync) that, or a negative count, is a ValueError. alignment must be >= 1.
     """
     counts = tokens_per_expert_group
+    if validate:
+        _check_index("tokens_per_expert_group", counts)
+        e, _, m, a = check_layout(counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
+        check_counts(counts.detach().cpu().numpy(), e, a, m)
+    if eager(counts):  # checked on the first call of each signature
+        key = ("generate", counts.shape, counts.dtype, counts.device, experts_per_rank, num_ranks, max_len, alignment,
+               type(experts_per_rank), type(num_ranks), type(max_len), type(alignment))
+        ex = _cached(key, lambda: _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment))
+        return tuple(ex(counts.contiguous()))
     _check_index("tokens_per_expert_group", counts)
     experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
                                                                    max_len, alignment)
-    if validate:
-        check_counts(counts.detach().cpu().numpy(), experts_per_rank, alignment, max_len)
-    if eager(counts):
-        key = ("generate", counts.dtype, experts_per_rank, num_ranks, max_len, alignment, counts.device)
-        ex = _executor(key, lambda: generate_recipe(experts_per_rank, num_ranks, max_len, alignment), ("counts",))
-        return tuple(ex(counts.contiguous()))
     return torch.ops.xkern.generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment)
 
 
@@ -269,15 +288,16 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
 def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate: bool = False) -> torch.Tensor:
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
-    _check_index("permuted_indices", permuted_indices)
-    check_int("num_rows", num_rows)
+    idx = permuted_indices
     if validate:
-        check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
-    if eager(permuted_indices):
-        idx = permuted_indices
-        key = ("inverse", idx.shape, idx.dtype, num_rows, idx.device)
-        ex = _executor(key, lambda: inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
-        return ex(idx.contiguous())[0]
+        _check_index("permuted_indices", idx)
+        check_int("num_rows", num_rows)
+        check_permutation(idx.detach().cpu().numpy(), num_rows)
+    if eager(idx):  # checked on the first call of each signature
+        key = ("inverse", idx.shape, idx.dtype, idx.device, num_rows, type(num_rows))
+        return _cached(key, lambda: _inverse_executor(idx, num_rows))(idx.contiguous())[0]
+    _check_index("permuted_indices", idx)
+    check_int("num_rows", num_rows)
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
 
 

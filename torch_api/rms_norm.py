@@ -132,12 +132,17 @@ class _Forward:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = _check(x, weight, eps, variant)
         self.copy_x, x_row_stride = _rows(x)
+        self.flat_w = weight is None or _flat_weight(weight) is weight
         recipe = rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      _w_dtype(weight), x_row_stride, variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.run(_in_place(x, self.copy_x), _aligned_weight(weight))[0]
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if self.copy_x or x.data_ptr() & 15:
+            x = _in_place(x, self.copy_x)
+        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
+            weight = _aligned_weight(weight)
+        return self.run(x, weight)[0]
 
 
 class _Backward:
@@ -145,25 +150,31 @@ class _Backward:
         variant = check_variant(variant, weight is not None)
         (self.copy_x, x_row_stride), (self.copy_dy, dy_row_stride) = _rows(x), _rows(dy)
         self.weighted = weight is not None
+        self.flat_w = weight is None or _flat_weight(weight) is weight
         recipe = rms_norm_bwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      _w_dtype(weight), x_row_stride, dy_row_stride, variant=variant)
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
 
     def __call__(self, dy, x, weight):
-        dx, dw = self.run(_in_place(x, self.copy_x), _aligned_weight(weight), _in_place(dy, self.copy_dy))
+        if self.copy_x or x.data_ptr() & 15:
+            x = _in_place(x, self.copy_x)
+        if self.copy_dy or dy.data_ptr() & 15:
+            dy = _in_place(dy, self.copy_dy)
+        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
+            weight = _aligned_weight(weight)
+        dx, dw = self.run(x, weight, dy)
         return dx, dw if self.weighted else None
 
 
+# Executors by call signature. The key holds everything the checks and the plan read (the weight's device
+# too: a cached call skips the checks).
 _FORWARDS: dict = {}
 _BACKWARDS: dict = {}
 
 
-def _weight_key(weight):
-    return None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device)
-
-
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps, variant="llama") -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.device, _weight_key(weight), eps, variant)
+    key = (x.shape, x.stride(), x.dtype, x.device, eps, variant) if weight is None else \
+        (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps, variant)
     try:
         fwd = _FORWARDS.get(key)
     except TypeError:  # an unhashable eps or variant: the checks name it
@@ -174,7 +185,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps, variant="llama")
 
 
 def _backward_direct(dy, x, weight, eps, variant):
-    key = (x.shape, x.stride(), x.dtype, dy.stride(), dy.dtype, _weight_key(weight), x.device, eps, variant)
+    key = (x.shape, x.stride(), x.dtype, x.device, dy.stride(), dy.dtype, eps, variant) if weight is None else \
+        (x.shape, x.stride(), x.dtype, x.device, dy.stride(), dy.dtype, weight.shape, weight.stride(), weight.dtype,
+         eps, variant)
     bwd = _BACKWARDS.get(key)
     if bwd is None:
         bwd = _BACKWARDS[key] = _Backward(dy, x, weight, eps, variant)
@@ -245,7 +258,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if needs_autograd(dy, x, *([] if weight is None else [weight])):  # create_graph or torch.func
+        if needs_autograd(dy, x, weight):  # create_graph or torch.func
             dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps, ctx.variant)
         else:
             dx, dw = _backward_direct(dy, x, weight, ctx.eps, ctx.variant)
@@ -324,8 +337,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     (Llama4's L2 norm). variant: the math around `normed = x.float() * rsqrt(...)`: "llama" (above),
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
-    if eager(x) and (weight is None or eager(weight)):
-        if not needs_autograd(x, *([] if weight is None else [weight])):
+    if eager(x, weight):
+        if not needs_autograd(x, weight):
             return _forward(x, weight, eps, variant)
         if not functorch_active():
             return _apply_rms_norm(x, weight, eps, variant)

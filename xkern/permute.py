@@ -12,11 +12,14 @@ block; rows whose slot would be >= max_len are dropped.
 
 Kernels (plans are fixed, from shapes and element sizes only, so both front ends launch the same binaries):
   _gather_rows_kernel      out[i, :] = src[idx[i], :], a zero row where idx[i] is -1 (or out of range):
-                           permute_rows (idx = permuted_indices), unpermute_rows (idx = inverse) and
-                           both backwards.
+                           permute_rows and unpermute_rows's backward.
   _scatter_inverse_kernel  raw[idx[i]] = i for valid slots, into an uninitialised buffer;
   _settle_inverse_kernel   inv[r] = raw[r] if idx[raw[r]] == r else -1: rows no slot names (dropped past
-                           max_len) get -1 without a pre-fill, which a JAX kernel output cannot have.
+                           max_len) get -1 without a pre-fill, which a JAX kernel output cannot have
+                           (inverse_permutation);
+  _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
+                           and permute_rows's backward, two launches (scatter, gather) with the settle
+                           folded into the gather.
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
 """
@@ -45,6 +48,18 @@ from xkern.launch import (
 )
 
 
+@triton.jit
+def _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H: tl.constexpr):
+    # out[rows] = src rows `src` where `hit`, zero rows elsewhere (never a stray read)
+    src_ptr = SRC + src[:, None] * src_row_stride
+    out_ptr = OUT + rows.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        col_mask = (cols < n_cols)[None, :]
+        vals = tl.load(src_ptr + cols[None, :], mask=hit[:, None] & col_mask, other=0.0)
+        tl.store(out_ptr + cols[None, :], vals, mask=row_mask[:, None] & col_mask)
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
 def _gather_rows_kernel(
     SRC, IDX,
@@ -58,16 +73,31 @@ def _gather_rows_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
-    # -1 is padding; an out-of-range index (possible only without validate=True) also gives a zero row,
-    # never a stray read.
-    hit = ((src >= 0) & (src < n_src_rows))[:, None]
-    src_ptr = SRC + src[:, None] * src_row_stride
-    out_ptr = OUT + rows.to(tl.int64)[:, None] * n_cols
-    for start in range(0, n_cols, BLOCK_H):
-        cols = start + tl.arange(0, BLOCK_H)
-        col_mask = (cols < n_cols)[None, :]
-        vals = tl.load(src_ptr + cols[None, :], mask=hit & col_mask, other=0.0)
-        tl.store(out_ptr + cols[None, :], vals, mask=row_mask[:, None] & col_mask)
+    # -1 is padding; an out-of-range index (possible only without validate=True) also gives a zero row.
+    hit = (src >= 0) & (src < n_src_rows)
+    _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
+def _gather_settled_rows_kernel(
+    SRC, RAW, IDX,
+    n_rows, n_cols, n_src_rows, src_row_stride,
+    OUT,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # unpermute's gather through RAW, `_scatter_inverse_kernel`'s output, settled on the fly (one launch
+    # fewer than settling into an inverse first): row r reads slot RAW[r] only if IDX[that slot] == r, so
+    # RAW's uninitialised entries (rows no slot names) give zero rows. SRC has one row per slot.
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    slot = tl.load(RAW + rows, mask=row_mask, other=-1).to(tl.int64)
+    ok = row_mask & (slot >= 0) & (slot < n_src_rows)
+    back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
+    hit = ok & (back == rows.to(tl.int64))
+    _copy_rows(SRC, OUT, slot, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
 
 
 @triton.jit
@@ -163,16 +193,19 @@ MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
 
 
-def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None) -> Launch:
+def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None,
+                     settled: bool = False) -> Launch:
     """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
 
-    Arrays `(src, idx, out)`, scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous
-    [n_rows, n_cols], src's last dim contiguous (its row stride defaults to n_cols)."""
+    Arrays `(src, idx, out)`, or with `settled` `(src, raw, idx, out)` (unpermute's gather through the raw
+    scatter); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
+    src's last dim contiguous (its row stride defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
-    return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps,
+    return Launch(_gather_settled_rows_kernel if settled else _gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),),
+                  num_warps,
                   {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h})
 
 
@@ -214,12 +247,14 @@ def compile_variants() -> list[tuple[Launch, dict]]:
             if key in seen:
                 continue
             seen.add(key)
+            settled = plan_gather_rows(1024, 1 << log_cols, elem_size, settled=True)
             for dtype in dtypes:
                 for index in ("*i32", "*i64"):
                     sig = {"SRC": dtype, "IDX": index, "OUT": dtype, "n_rows": "i32", "n_cols": "i32",
                            "n_src_rows": "i32", "src_row_stride": "i64", "BLOCK_M": "constexpr",
                            "BLOCK_H": "constexpr"}
                     variants.append((plan, sig))
+                    variants.append((settled, {**sig, "RAW": index}))
     for index in ("*i32", "*i64"):
         scatter, settle = plan_inverse(4096, 4096)
         variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
@@ -292,21 +327,26 @@ def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
 
 
 def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
-                  src_row_stride: int) -> tuple[Step, ...]:
+                  src_row_stride: int, raw: str | None = None) -> tuple[Step, ...]:
+    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather)."""
     if n_out * n_cols == 0 or n_src_rows == 0:  # nothing to read: every row is a zero row
         return (Step(None, (), (Buffer(out, (n_out, n_cols), dtype, fill=0),)),)
-    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride)
-    return (Step(plan, (src, idx), (Buffer(out, (n_out, n_cols), dtype),),
+    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None)
+    return (Step(plan, (src, idx) if raw is None else (src, raw, idx), (Buffer(out, (n_out, n_cols), dtype),),
                  dict(n_rows=n_out, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride)),)
+
+
+def _scatter_step(idx: str, n_slots: int, num_rows: int, index_dtype: str) -> Step:
+    scatter, _ = plan_inverse(n_slots, num_rows)
+    return Step(scatter, (idx,), (Buffer("raw", (num_rows,), index_dtype),), dict(n_slots=n_slots, n_rows=num_rows))
 
 
 def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype: str) -> tuple[Step, ...]:
     if num_rows == 0 or n_slots == 0:  # no slot names any row
         return (Step(None, (), (Buffer(inv, (num_rows,), index_dtype, fill=-1),)),)
-    scatter, settle = plan_inverse(n_slots, num_rows)
-    scalars = dict(n_slots=n_slots, n_rows=num_rows)
-    return (Step(scatter, (idx,), (Buffer("raw", (num_rows,), index_dtype),), scalars),
-            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),), scalars))
+    _, settle = plan_inverse(n_slots, num_rows)
+    return (_scatter_step(idx, n_slots, num_rows, index_dtype),
+            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),), dict(n_slots=n_slots, n_rows=num_rows)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -328,11 +368,12 @@ def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
-    n_cols]: the inverse permutation, then the gather through it."""
+    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there)."""
     check_gather_sizes(n_slots, num_rows)
-    steps = _inverse_steps("idx", "inv", n_slots, num_rows, index_dtype)
-    steps += _gather_steps("y", "inv", "out", num_rows, n_cols, n_slots, dtype, src_row_stride)
-    return Recipe(steps, ("out",))
+    gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, raw="raw")
+    if gather[0].launch is None:  # nothing to read: zero rows, no scatter
+        return Recipe(gather, ("out",))
+    return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), *gather), ("out",))
 
 
 @functools.lru_cache(maxsize=1024)
