@@ -1,7 +1,8 @@
 """What a call costs the host: every torch op of xkern at a small shape beside its peers and the floor of
 this host, and a Llama-style block's training step, eager and compiled.
 
-Per call: a tight eager loop of calls with one synchronize at the end. `wall_us` counts that synchronize
+Per call: a tight eager loop of calls with one synchronize at the end, every entry's loop taken in turn
+in rounds (median), so the host's drift falls on all of them alike. `wall_us` counts that synchronize
 (per call), `issue_us` stops before it (the host's time while the device keeps up), `device_us` is the
 call captured in a CUDA graph and replayed (`timing.torch_device_us`). Forward calls run without autograd
 (inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`,
@@ -46,25 +47,19 @@ def _empty_op():
     return torch.ops.xkern_bench.empty
 
 
-def _measure(call, device: str, device_time: bool = True) -> dict:
-    """Wall and issue time per call; device time (in a CUDA graph) as a separate try."""
+def _sync(device: str):
     import torch
 
-    def sync(_):
-        if device == "cuda":
-            torch.cuda.synchronize()
+    return (lambda _: torch.cuda.synchronize()) if device == "cuda" else (lambda _: None)
 
+
+def _device_time(call) -> dict:
+    """Device time of one call, in a CUDA graph (`timing.torch_device_us`)."""
     try:
-        wall, issue = timing.host_us_per_call(call, sync, LOOP)
+        us, how = timing.torch_device_us(lambda: [call])
+        return {"device_us": us, "timing": how}
     except Exception as err:  # noqa: BLE001 - one failing entry must not lose the table
-        return {"status": error_status(err)}
-    out = {"wall_us": wall, "issue_us": issue}
-    if device_time:
-        try:
-            out["device_us"], out["timing"] = timing.torch_device_us(lambda: [call])
-        except Exception as err:  # noqa: BLE001
-            out["timing"] = error_status(err)
-    return out
+        return {"timing": error_status(err)}
 
 
 def _rms_entries(device: str):
@@ -166,17 +161,27 @@ def _alloc_only_function():
 
 
 def host_table(device: str, log) -> list[dict]:
-    """One row per (op, pass, implementation) plus the floor rows."""
-    rows = []
+    """One row per (op, pass, implementation) plus the floor rows. Wall times are taken in turn
+    (`timing.host_us_interleaved`), so every row of the table sees the same drift of the host."""
+    rows, calls = [], {}
     for entries in (_floor_entries, _rms_entries, _gather_entries):
         try:
             for op, pass_, impl, shape, call in entries(device):
                 row = {"op": op, "pass": pass_, "impl": impl, "shape": shape}
-                row.update(_measure(call, device, device_time=op != "floor") if callable(call)
-                           else {"status": call})
+                if callable(call):
+                    calls[len(rows)] = call
+                else:
+                    row["status"] = call
                 rows.append(row)
         except Exception as err:  # noqa: BLE001
             rows.append({"op": entries.__name__, "impl": "setup", "status": error_status(err)})
+    for i, got in timing.host_us_interleaved(calls, _sync(device), LOOP).items():
+        if isinstance(got, BaseException):
+            rows[i]["status"] = error_status(got)
+            continue
+        rows[i]["wall_us"], rows[i]["issue_us"] = got
+        if rows[i]["op"] != "floor":
+            rows[i].update(_device_time(calls[i]))
     ok = [r for r in rows if "wall_us" in r and r["impl"].startswith("xkern")]
     log("host overhead (wall µs per call): " + ", ".join(f"{r['op']} {r['pass']} {r['wall_us']:.1f}" for r in ok))
     return rows
@@ -229,50 +234,64 @@ def _block(norm: str, cfg: dict, device: str):
 
 def block_table(device: str, log) -> list[dict]:
     """Forward + backward of one block: eager, torch.compile, compile with CUDA graphs ("reduce-overhead"),
-    each with xkern's norm (torch_api.RMSNorm) and with the eager HF norm."""
+    each with xkern's norm (torch_api.RMSNorm) and with the eager HF norm; the two norms' steps of a mode
+    timed in turn (`timing.host_us_interleaved`)."""
     import torch
 
     cfg = BLOCK[device]
     rows = []
     for mode in ("eager", "compile", "reduce-overhead"):
-        for norm in ("xkern", "HF eager"):
-            row = {"mode": mode, "norm": norm, "config": cfg}
-            rows.append(row)
-            if mode == "reduce-overhead" and device != "cuda":
+        by_norm = {norm: {"mode": mode, "norm": norm, "config": cfg} for norm in ("xkern", "HF eager")}
+        rows += by_norm.values()
+        if mode == "reduce-overhead" and device != "cuda":
+            for row in by_norm.values():
                 row["status"] = "skipped: CUDA graphs need a GPU"
-                continue
+            continue
+        torch._dynamo.reset()
+        steps = {}
+        for norm, row in by_norm.items():
             try:
-                torch._dynamo.reset()
-                block = _block(norm, cfg, device)
-                model = block
-                if mode != "eager":
-                    backend = "inductor" if device == "cuda" else "aot_eager"
-                    model = torch.compile(block, fullgraph=True, backend=backend,
-                                          mode="reduce-overhead" if mode == "reduce-overhead" else None)
-                leaves = [torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], device=device, dtype=torch.bfloat16,
-                                      requires_grad=True), *block.parameters()]
-                dy = torch.randn_like(leaves[0])
-
-                def step(model=model, leaves=leaves, dy=dy, graphs=mode == "reduce-overhead"):
-                    if graphs:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    return torch.autograd.grad(model(leaves[0]), leaves, dy)
-
-                wall, issue = timing.host_us_per_call(step, lambda _: torch.cuda.synchronize()
-                                                      if device == "cuda" else None, BLOCK_LOOP)
-                row.update(wall_us=wall, issue_us=issue)
+                steps[norm] = _block_step(mode, norm, cfg, device)
             except Exception as err:  # noqa: BLE001
                 row["status"] = error_status(err)
                 log(f"block {mode} with {norm} norm: {row['status']}")
+        for norm, got in timing.host_us_interleaved(steps, _sync(device), BLOCK_LOOP).items():
+            row = by_norm[norm]
+            if isinstance(got, BaseException):
+                row["status"] = error_status(got)
+                log(f"block {mode} with {norm} norm: {row['status']}")
                 continue
+            row["wall_us"], row["issue_us"] = got
             try:
                 if mode == "reduce-overhead":  # already CUDA graphs, which cannot be captured again
-                    row["device_us"] = timing.torch_eager_us([step])
+                    row["device_us"] = timing.torch_eager_us([steps[norm]])
                     row["timing"] = "do_bench of the compiled graphs' replays"
                 else:
-                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=step: [step])
+                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=steps[norm]: [step])
             except Exception as err:  # noqa: BLE001
                 row["timing"] = error_status(err)
             device_us = f"{row['device_us']:.0f} µs" if "device_us" in row else row.get("timing")
             log(f"block {mode} with {norm} norm: wall {row['wall_us']:.0f} µs/step, device {device_us}")
     return rows
+
+
+def _block_step(mode: str, norm: str, cfg: dict, device: str):
+    """One training step's gradients (`torch.autograd.grad` of the block's output) as a callable."""
+    import torch
+
+    block = _block(norm, cfg, device)
+    model = block
+    if mode != "eager":
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        model = torch.compile(block, fullgraph=True, backend=backend,
+                              mode="reduce-overhead" if mode == "reduce-overhead" else None)
+    leaves = [torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], device=device, dtype=torch.bfloat16,
+                          requires_grad=True), *block.parameters()]
+    dy = torch.randn_like(leaves[0])
+
+    def step(graphs=mode == "reduce-overhead"):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return torch.autograd.grad(model(leaves[0]), leaves, dy)
+
+    return step

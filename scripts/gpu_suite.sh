@@ -13,8 +13,13 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   # installed (it is on the H200 image; 16 cores); the GPU has room for all of them. Test by test (`load`):
   # by file, the largest file alone outlasted a device call.
   XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-14} --dist ${XDIST_DIST:-load}")
-  timeout "${SUITE_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ 2>&1
+  # tests/test_gpu_large.py (tensors past 2**31 elements, both frameworks) runs alone afterwards: beside 13
+  # other processes it left them out of GPU memory (cuBLAS handles, opcheck, jax; 2026-12-04).
+  timeout "${SUITE_TIMEOUT:-1800}" "$PY" -m pytest -q -p no:cacheprovider -rf $XDIST tests/ \
+    --ignore=tests/test_gpu_large.py 2>&1
   echo "pytest rc=$?"
+  timeout "${LARGE_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -rf tests/test_gpu_large.py 2>&1
+  echo "pytest (large) rc=$?"
 } | tee "$LOGS/gpu_suite.log"
 {
   echo "# $(date -u +%FT%TZ) compute-sanitizer --tool memcheck, PYTORCH_NO_CUDA_MEMORY_CACHING=1"
