@@ -491,6 +491,20 @@ def test_bad_inputs_raise_clear_errors():
     for exc, message, fn in calls:
         with pytest.raises(exc, match=message):
             fn()
+    # Eager calls check on the first call of a signature: a cached one must not let a bad argument through
+    # (True == 1 and 4.0 == 4 hash alike).
+    torch_api.inverse_permutation(idx, 1)
+    torch_api.inverse_permutation(idx, 4)
+    torch_api.generate_permute_indices(counts, 2, 2, 16, 1)
+    for exc, message, fn in [
+        (TypeError, "num_rows must be an int", lambda: torch_api.inverse_permutation(idx, True)),
+        (TypeError, "num_rows must be an int", lambda: torch_api.inverse_permutation(idx, 4.0)),
+        (TypeError, "alignment must be an int", lambda: torch_api.generate_permute_indices(counts, 2, 2, 16, True)),
+        (TypeError, "max_len must be an int", lambda: torch_api.generate_permute_indices(counts, 2, 2, 16.0, 1)),
+        (TypeError, "permuted_indices must be a", lambda: torch_api.inverse_permutation(idx.tolist(), 4)),
+    ]:
+        with pytest.raises(exc, match=message):
+            fn()
     with pytest.raises(ValueError, match="permuted_indices must be on"):
         torch_api.permute_rows(x, idx.to("meta"))
     with pytest.raises(ValueError, match="y must be a CUDA tensor"):
