@@ -222,6 +222,16 @@ def test_5_eps_wrong_type(eps):
         jax_api.rms_norm(jnp.asarray(to_numpy(x)), jnp.asarray(to_numpy(w)), eps)
 
 
+def test_5_eps_bool_after_a_cached_call():
+    """Eager calls check on the first call of a signature: eps=True (== 1, hashing alike) must not ride on
+    a cached eps=1 call."""
+    x = torch.ones(2, 8, device=DEVICE) + 0.5
+    w = torch.ones(8, device=DEVICE)
+    torch_api.rms_norm(x, w, 1)
+    with pytest.raises(TypeError, match="eps"):
+        torch_api.rms_norm(x, w, True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 6. Index arithmetic that would overflow int32: an error naming the argument, never a wrapped layout.
 

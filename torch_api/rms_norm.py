@@ -166,15 +166,16 @@ class _Backward:
         return dx, dw if self.weighted else None
 
 
-# Executors by call signature. The key holds everything the checks and the plan read (the weight's device
-# too: a cached call skips the checks).
+# Executors by call signature. The key holds everything the checks and the plan read (the weight's device,
+# eps's type: a cached call skips the checks, and True == 1).
 _FORWARDS: dict = {}
 _BACKWARDS: dict = {}
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps, variant="llama") -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.device, eps, variant) if weight is None else \
-        (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps, variant)
+    key = (x.shape, x.stride(), x.dtype, x.device, eps, type(eps), variant) if weight is None else \
+        (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps,
+         type(eps), variant)
     try:
         fwd = _FORWARDS.get(key)
     except TypeError:  # an unhashable eps or variant: the checks name it
