@@ -45,6 +45,18 @@ def _fixed(n, eps=True):
     return {"EPS": EPS, **fixed} if eps else fixed
 
 
+def _split_blocks(n, max_per_thread):
+    """(BLOCK_N, warps) for rows of n in SPLIT = cdiv(n, BLOCK_N) blocks: at most 16 blocks, 2 to 16
+    elements per thread per block and at most `max_per_thread` in all."""
+    out = []
+    for b in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        if b > next_pow2(n) or cdiv(n, b) > 16:
+            continue
+        out += [(b, w) for w in (1, 2, 4, 8, 16, 32)
+                if 2 <= b // (32 * w) <= 16 and 4 <= cdiv(n, b) * b // (32 * w) <= max_per_thread]
+    return out
+
+
 def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
@@ -52,9 +64,10 @@ def fwd_candidates(m, n):
         out += [Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
                 for c in (4096, 8192, 16384) for w in (8, 16, 32) for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
                 if 8 <= c // (32 * w) <= 32]
-    if bn > 256:
-        out += [Launch(K._rms_norm_fwd_row_kernel, (m,), w, {**_fixed(n), "BLOCK_N": bn, "RELOAD": reload})
-                for w in (1, 2, 4, 8, 16, 32) for reload in (False, True) if 8 <= bn // (32 * w) <= 64]
+    if bn > 256:  # the row kernel: SPLIT blocks of BLOCK_N per row (a power of two: one block)
+        out += [Launch(K._rms_norm_fwd_row_kernel, (m,), w,
+                       {**_fixed(n), "BLOCK_N": b, "SPLIT": cdiv(n, b), "RELOAD": reload})
+                for b, w in _split_blocks(n, 64) for reload in (False, True)]
     out += [Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
             for bm in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16, 32)
             if 512 <= bm * bn <= 32768 and bn <= 2048 and 8 <= bm * bn // (32 * w) <= 32]
@@ -65,7 +78,7 @@ def bwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
     for bm in (1, 2, 4, 8, 16, 32, 64, 128):
-        if bm * bn > 16384 or bm * bn < 512 or bm > m:
+        if bm * bn > 16384 or bm * bn < 512 or bm > m or (n >= 512 and bm > 2):  # wide: 1-row tiles won
             continue
         for w in (1, 2, 4, 8, 16, 32):
             if not 4 <= bm * bn // (32 * w) <= 32:
@@ -73,10 +86,29 @@ def bwd_candidates(m, n):
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
                 out += [Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
-                               {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch})
+                               {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": 1, "PREFETCH": prefetch})
                         for prefetch in (True, False)]
                 if tiles <= NUM_SMS * ppsm:
                     break
+    if n != bn and n < 512:  # tiles of several rows in SPLIT blocks of BLOCK_N (80 = 5 x 16)
+        for b in (16, 32, 64, 128, 256):
+            if b >= bn or cdiv(n, b) > 8:
+                continue
+            for bm in (8, 16, 32, 64):
+                for w in (1, 2, 4):
+                    if not (2 <= bm * b // (32 * w) <= 16 and cdiv(n, b) * bm * b // (32 * w) <= 32):
+                        continue
+                    out += [Launch(K._rms_norm_bwd_kernel, (min(cdiv(m, bm), NUM_SMS * ppsm), 1), w,
+                                   {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": True})
+                            for ppsm in (2, 4, 8)]
+    if n != bn and n >= 512:  # one row in SPLIT blocks of BLOCK_N
+        for b, w in _split_blocks(n, 32):
+            if b == bn:
+                continue
+            for ppsm in (1, 2, 4):
+                out += [Launch(K._rms_norm_bwd_kernel, (min(m, NUM_SMS * ppsm), 1), w,
+                               {**_fixed(n), "BLOCK_M": 1, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": prefetch})
+                        for prefetch in (True, False)]
     if bn >= 4096:  # the row kernel (rows read twice)
         out += [Launch(K._rms_norm_bwd_row_kernel, (min(m, NUM_SMS * ppsm), 1), w, {**_fixed(n), "BLOCK_N": bn})
                 for w in (8, 16, 32) for ppsm in (1, 2)]
@@ -225,7 +257,8 @@ def main():
         top = sorted(timed, key=lambda t: t[0])[:3]
         row = {"pass": name, "shape": list(shape), "best": describe(best), "best_us": best_t * 1e6,
                "best_frac": nbytes / best_t / 1e9 / ceiling, "n_timed": len(timed),
-               "top3": [(t * 1e6, describe(c)) for t, c in top]}
+               "top3": [(t * 1e6, describe(c)) for t, c in top],
+               "all": [(t * 1e6, describe(c)) for t, c in sorted(timed, key=lambda t: t[0])]}
         if plan_t is not None:
             row.update(plan_us=plan_t * 1e6, plan_frac=nbytes / plan_t / 1e9 / ceiling)
         results.append(row)
@@ -278,6 +311,7 @@ def main():
         del buf
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+        save(args.out, ceiling, results)  # after every shape: a run cut short keeps what it measured
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):
             for parts in (132, 528, 2112):
@@ -286,8 +320,12 @@ def main():
                 plan = K.plan_dw_reduce(parts, n)
                 timed = [(timeit([runner(c, buf)]), c) for c in [plan] + reduce_candidates(n)]
                 record(f"reduce P={parts}", (parts, n), parts * n * 4, timed, timed[0][0])
-    if args.out:
-        with open(args.out, "w") as f:
+    save(args.out, ceiling, results)
+
+
+def save(path, ceiling, results):
+    if path:
+        with open(path, "w") as f:
             json.dump({"ceiling_gbs": ceiling, "rows": results}, f, indent=1)
 
 

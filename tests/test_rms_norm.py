@@ -22,8 +22,9 @@ from xkern import reference as R
 from xkern.rms_norm import plan_rms_norm_bwd, plan_rms_norm_fwd
 from xkern.testing import launch
 
-# 640: the forward in tiles and the backward in one-row tiles at BLOCK_N 1024
-WIDTHS = [1, 3, 64, 127, 128, 129, 300, 640, 2048, 2049, 5000]
+# 640: the forward in tiles and the backward in one-row tiles at BLOCK_N 1024; rows in SPLIT blocks: 80
+# (backward 5 x 16), 2560 (forward 5 x 512, backward 3 x 1024), 5000 (forward 5 x 1024, the last one ragged)
+WIDTHS = [1, 3, 64, 80, 127, 128, 129, 300, 640, 2048, 2049, 2560, 5000]
 ROWS = [0, 1, 7, 33]
 DTYPES = ["bfloat16", "float16", "float32"]
 EPS = 1e-6
@@ -109,9 +110,9 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 5000, 9000, 20000, 40000, 70000])  # forward row kernel with and without
-# its reload, backward tiles with the prefetch (300, 5000), backward row kernel (9000); column-split backward
-# (20000 up); chunked forward (70000)
+@pytest.mark.parametrize("width", [300, 5000, 9000, 13000, 20000, 40000, 70000])  # forward row kernel in blocks
+# (5000, 9000, 20000) and with its reload (13000, 40000); backward tiles with the prefetch (300, 5000), in 3
+# blocks of 4096 (9000), backward row kernel (13000); column-split backward (20000 up); chunked forward (70000)
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
     torch_out = _torch_run(x, w, dy, EPS)
@@ -177,7 +178,7 @@ def test_strided_views_read_in_place():
 def test_every_output_element_is_written():
     """Launch the plans on NaN-poisoned outputs: a missed element would stay NaN."""
     rng = _rng("poison")
-    for rows, width in ((33, 128), (7, 300), (2, 20000), (1, 70000)):
+    for rows, width in ((33, 128), (37, 80), (7, 300), (5, 2560), (2, 9000), (2, 20000), (1, 70000)):
         x, w, dy = (to_torch(a) for a in _inputs(rng, (rows, width), "bfloat16"))
         y = torch.full_like(x, float("nan"))
         launch(plan_rms_norm_fwd(rows, width, EPS), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
@@ -434,3 +435,23 @@ def test_four_byte_elements_take_the_chunked_forward_above_32768():
     _check_all(x, w, dy, EPS, *torch_out)
     for a, b in zip(_jax_run(x, w, dy, EPS), torch_out):
         assert same_bits(a, b)
+
+
+def test_split_rows_cover_every_width_within_the_register_budget():
+    """Every width from 1 to 20000: the row kernels' SPLIT blocks cover the row exactly once (the last block
+    may be ragged, never empty) and hold at most 40 (forward) or 24 (backward) elements per thread per tensor;
+    a power of two is one block."""
+    from xkern.rms_norm import split_row
+
+    assert [split_row(n, 4096) for n in (896, 2560, 5120, 12288, 16384)] == [
+        (1024, 1), (512, 5), (1024, 5), (4096, 3), (16384, 1)]
+    for n in range(1, 20001):
+        for launch in (plan_rms_norm_fwd(1000, n, EPS), plan_rms_norm_bwd(1000, n, EPS).bwd):
+            block, split = launch.constexprs["BLOCK_N"], launch.constexprs.get("SPLIT", 1)
+            if "SPLIT" not in launch.constexprs:
+                continue
+            assert (split - 1) * block < n <= split * block, (n, launch)
+            per_thread = launch.constexprs.get("BLOCK_M", 1) * block * split // (32 * launch.num_warps)
+            limit = 40 if launch.kernel.fn.__name__.startswith("_rms_norm_fwd") else 24
+            assert split == 1 or per_thread <= limit, (n, launch)
+            assert n & (n - 1) or split == 1, (n, launch)

@@ -149,30 +149,42 @@ def _rms_norm_fwd_row_kernel(
     X, W,
     n_rows, n_cols, x_row_stride, y_row_stride,
     Y,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD: tl.constexpr,
-    VARIANT: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    RELOAD: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    # One row per program. RELOAD: read x a second time for the scaling, from L2 (the first read asks L2 to
-    # keep it, the second to drop it; the different policies also keep the compiler from merging the two
-    # loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
+    # One row per program, in SPLIT blocks of BLOCK_N held as a tuple (unrolled): a width such as 5120 =
+    # 5 x 1024 then fills every lane, where one power-of-two block of 8192 would leave 37.5 % of them masked
+    # and their registers unused. RELOAD: read x a second time for the scaling, from L2 (the first read asks
+    # L2 to keep it, the second to drop it; the different policies also keep the compiler from merging the
+    # two loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
     # at 32768 wide, 32 registers and two programs per SM instead of 52 and one.
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    x_ptrs = X + row * x_row_stride + cols
-    if RELOAD:
-        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) * _inv(n_cols) + EPS)
-    if RELOAD:
-        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
-    tl.store(Y + row * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
+    x_row = X + row * x_row_stride
+    y_row = Y + row * y_row_stride
+    xs = ()
+    sum_sq = tl.zeros([BLOCK_N], tl.float32)
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RELOAD:
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        sum_sq += x * x
+        xs = xs + (x,)
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS)
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        if RELOAD:
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = xs[i]
+        w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
@@ -219,13 +231,24 @@ def _rms_norm_fwd_chunked_kernel(
             tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
 
 
+@triton.jit
+def _load_tile(ptr, rows, row_stride, n_rows, n_cols, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # rows x (SPLIT blocks of BLOCK_N columns), as a tuple of SPLIT tiles in the input dtype
+    out = ()
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        out = out + (tl.load(ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :], mask=mask, other=0.0),)
+    return out
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
 def _rms_norm_bwd_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -233,51 +256,65 @@ def _rms_norm_bwd_kernel(
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
-    # latency; the widest rows have no registers for it.
+    # latency; the widest rows have no registers for it. Rows are held in SPLIT blocks of BLOCK_N columns
+    # (tuples, unrolled), as in the forward's row kernel: no lanes idle at widths such as 5 x 1024.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     batch = tl.program_id(1).to(tl.int64)
     X += batch * n_rows * x_row_stride
     DY += batch * n_rows * dy_row_stride
     DX += batch * n_rows * dx_row_stride
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    ws = ()
+    dw_acc = ()
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        ws = ws + (tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :],)
+        dw_acc = dw_acc + (tl.zeros([BLOCK_N], tl.float32),)
     inv_n = _inv(n_cols)
     if PREFETCH:
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        x_next = _load_tile(X, rows, x_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
+        dy_next = _load_tile(DY, rows, dy_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
     for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
         if PREFETCH:
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            cur_rows, cur_mask = rows, mask
+            xs, dys, cur_rows = x_next, dy_next, rows
             rows = (tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
-            mask = (rows < n_rows)[:, None] & col_mask[None, :]
-            x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            x_next = _load_tile(X, rows, x_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
+            dy_next = _load_tile(DY, rows, dy_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
         else:
             cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
-            x = tl.load(X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=cur_mask,
-                        other=0.0).to(tl.float32)
-            dy = tl.load(DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=cur_mask,
-                         other=0.0).to(tl.float32)
+            xs = _load_tile(X, cur_rows, x_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
+            dys = _load_tile(DY, cur_rows, dy_row_stride, n_rows, n_cols, BLOCK_N, SPLIT)
+        sum_sq = tl.zeros([BLOCK_M], tl.float32)
+        for i in tl.static_range(SPLIT):
+            x = xs[i].to(tl.float32)
+            sum_sq += tl.sum(x * x, axis=1)
         # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
         # per row, not per element) so that it adds 0 to dw.
-        rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
-        n = x * rstd
-        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
-        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
-        mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
-        dx = rstd * (g - n * mean_gn)
-        out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
-        tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
+        rstd = tl.where(cur_rows < n_rows, tl.rsqrt(sum_sq * inv_n + EPS), 0.0)[:, None]
+        sum_gn = tl.zeros([BLOCK_M], tl.float32)
+        new_dw = ()
+        for i in tl.static_range(SPLIT):
+            dy = dys[i].to(tl.float32)
+            n = xs[i].to(tl.float32) * rstd
+            g = _grad_normed(dy, ws[i], X.dtype.element_ty, VARIANT)
+            sum_gn += tl.sum(g * n, axis=1)
+            terms = _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT)
+            new_dw = new_dw + (dw_acc[i] + tl.sum(terms, axis=0),)
+        dw_acc = new_dw
+        mean_gn = (sum_gn * inv_n)[:, None]
+        for i in tl.static_range(SPLIT):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (cur_rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+            n = xs[i].to(tl.float32) * rstd
+            g = _grad_normed(dys[i].to(tl.float32), ws[i], X.dtype.element_ty, VARIANT)
+            dx = rstd * (g - n * mean_gn)
+            out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
+            tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
     if VARIANT != 3:  # NO_WEIGHT: no dw
-        tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
+        for i in tl.static_range(SPLIT):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
@@ -457,6 +494,21 @@ def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
     return 1, num_warps, max(1, 8192 // block_n), True
 
 
+def split_row(n_cols: int, max_block: int, min_block: int = 256, max_split: int = 8) -> tuple[int, int]:
+    """(BLOCK_N, SPLIT): a row in SPLIT power-of-two blocks, the largest block <= max_block that leaves at
+    most 1/8 of them masked (5120 -> 5 x 1024, 12288 -> 3 x 4096, 896 -> 1 x 1024); (next_pow2, 1) where
+    none does within `max_split` blocks of at least `min_block`, or n_cols is a power of two."""
+    block = min(next_pow2(n_cols), max_block) if n_cols & (n_cols - 1) else 0
+    while block >= min_block:
+        split = cdiv(n_cols, block)
+        if split > max_split:
+            break
+        if (split * block - n_cols) * 8 <= split * block:
+            return block, split
+        block //= 2
+    return next_pow2(n_cols), 1
+
+
 VARIANTS = {"llama": LLAMA, "gemma": GEMMA, "olmo2": OLMO2}  # the front ends' `variant=` names
 
 
@@ -493,9 +545,17 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
-    if n_cols >= FWD_TILE_BELOW:  # a row per program, 16 elements per thread up to 16384, then 32 warps
+    if n_cols >= FWD_TILE_BELOW:
+        # A row per program. Other widths: SPLIT blocks of up to 4096 (split_row), 8 elements per thread per
+        # block, at most 40 in all (more spill; the power-of-two block then, as at 24576).
+        block, split = split_row(n_cols, 4096)
+        num_warps = max(2, block // 256)
+        if split > 1 and split * block // (32 * num_warps) <= 40:
+            return Launch(_rms_norm_fwd_row_kernel, (n_rows,), num_warps,
+                          {**fixed, "BLOCK_N": block, "SPLIT": split, "RELOAD": False})
+        # powers of two: 16 elements per thread up to 16384, then 32 warps
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
-                      {**fixed, "BLOCK_N": block_n, "RELOAD": block_n in _FWD_RELOAD})
+                      {**fixed, "BLOCK_N": block_n, "SPLIT": 1, "RELOAD": block_n in _FWD_RELOAD})
     # Narrower rows: tiles of several rows, so that 2-warp programs keep enough bytes in flight per SM
     # within its 32-program limit (docs/benchmarks.md, entries 9 and 10).
     if block_n <= 64:  # 1024-element tiles, 1 warp at 64
@@ -538,15 +598,31 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
-    elif block_n == BWD_ROW_BLOCK:
+    elif block_n == BWD_ROW_BLOCK and n_cols > 3 * 4096:
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16, {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
     else:
         block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
+        split = 1
+        # Widths a power-of-two block would leave more than 1/8 masked, in SPLIT blocks where that measured
+        # faster (docs/benchmarks.md, entry 13): 65-111 (80 = 5 x 16, 96 = 3 x 32; split_row, up to 5) 16-row
+        # tiles, 2 warps, 8 programs per SM (at 48 the 64 block won); 2049-3072 3 blocks of 1024, 4 warps, 4 per SM; 8193-12288 blocks
+        # of 4096, 16 warps, one per SM (the row kernel would leave a quarter to half of its lanes idle).
+        # 3073-8191: the power-of-two block measured as fast as any split (3584, 5120-7168).
+        if (block_n - n_cols) * 8 > block_n:
+            if 64 < n_cols < 128:
+                block, split = split_row(n_cols, 64, min_block=16, max_split=5)
+                if split > 1:
+                    block_n, block_m, num_warps, programs_per_sm = block, 16, 2, 8
+            elif 2048 < n_cols <= 3072:
+                block_n, split, num_warps, programs_per_sm = 1024, cdiv(n_cols, 1024), 4, 4
+            elif 8192 < n_cols:
+                block_n, split, num_warps, programs_per_sm = 4096, cdiv(n_cols, 4096), 16, 1
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
-                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch})
+                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT": split,
+                      "PREFETCH": prefetch})
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
     reduce = None if variant == "none" else plan_dw_reduce(groups, n_cols, n_batch)
@@ -810,6 +886,7 @@ def compile_variants():
     dtype_pairs = [("bfloat16", "bfloat16")]
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
+    widths += [48, 80, 96, 768, 2560, 5120, 7168, 12288, 18432]  # rows in SPLIT blocks (split_row)
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
