@@ -86,7 +86,7 @@ def bwd_candidates(m, n):
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
                 out += [Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
-                               {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": 1, "PREFETCH": prefetch})
+                               {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch})
                         for prefetch in (True, False)]
                 if tiles <= NUM_SMS * ppsm:
                     break
@@ -98,7 +98,7 @@ def bwd_candidates(m, n):
                 for w in (1, 2, 4):
                     if not (2 <= bm * b // (32 * w) <= 16 and cdiv(n, b) * bm * b // (32 * w) <= 32):
                         continue
-                    out += [Launch(K._rms_norm_bwd_kernel, (min(cdiv(m, bm), NUM_SMS * ppsm), 1), w,
+                    out += [Launch(K._rms_norm_bwd_split_kernel, (min(cdiv(m, bm), NUM_SMS * ppsm), 1), w,
                                    {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": True})
                             for ppsm in (2, 4, 8)]
     if n != bn and n >= 512:  # one row in SPLIT blocks of BLOCK_N
@@ -106,7 +106,7 @@ def bwd_candidates(m, n):
             if b == bn:
                 continue
             for ppsm in (1, 2, 4):
-                out += [Launch(K._rms_norm_bwd_kernel, (min(m, NUM_SMS * ppsm), 1), w,
+                out += [Launch(K._rms_norm_bwd_split_kernel, (min(m, NUM_SMS * ppsm), 1), w,
                                {**_fixed(n), "BLOCK_M": 1, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": prefetch})
                         for prefetch in (True, False)]
     if bn >= 4096:  # the row kernel (rows read twice)
@@ -239,8 +239,8 @@ def main():
         plans[(m, n)] += (cands,)
         for c in [x for v in cands.values() for x in v] + [launch for launch in (bwd.stats, bwd.reduce) if launch]:
             jobs.append((c, n))
-            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_row_kernel",
-                                        "_rms_norm_bwd_cols_kernel"):
+            if c.kernel.fn.__name__ in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_split_kernel",
+                                        "_rms_norm_bwd_row_kernel", "_rms_norm_bwd_cols_kernel"):
                 jobs.append((K.plan_dw_reduce(partials_of(c), n), n))
     if "reduce" in passes:
         for n in (64, 128, 256, 2048, 16384, 65536):

@@ -446,12 +446,12 @@ def test_split_rows_cover_every_width_within_the_register_budget():
     assert [split_row(n, 4096) for n in (896, 2560, 5120, 12288, 16384)] == [
         (1024, 1), (512, 5), (1024, 5), (4096, 3), (16384, 1)]
     for n in range(1, 20001):
-        for launch in (plan_rms_norm_fwd(1000, n, EPS), plan_rms_norm_bwd(1000, n, EPS).bwd):
-            block, split = launch.constexprs["BLOCK_N"], launch.constexprs.get("SPLIT", 1)
-            if "SPLIT" not in launch.constexprs:
+        for plan in (plan_rms_norm_fwd(1000, n, EPS), plan_rms_norm_bwd(1000, n, EPS).bwd):
+            block, split = plan.constexprs["BLOCK_N"], plan.constexprs.get("SPLIT", 1)
+            if "SPLIT" not in plan.constexprs:
                 continue
-            assert (split - 1) * block < n <= split * block, (n, launch)
-            per_thread = launch.constexprs.get("BLOCK_M", 1) * block * split // (32 * launch.num_warps)
-            limit = 40 if launch.kernel.fn.__name__.startswith("_rms_norm_fwd") else 24
-            assert split == 1 or per_thread <= limit, (n, launch)
-            assert n & (n - 1) or split == 1, (n, launch)
+            assert (split - 1) * block < n <= split * block, (n, plan)
+            per_thread = plan.constexprs.get("BLOCK_M", 1) * block * split // (32 * plan.num_warps)
+            limit = 40 if plan.kernel.fn.__name__.startswith("_rms_norm_fwd") else 24
+            assert split == 1 or per_thread <= limit, (n, plan)
+            assert n & (n - 1) or split == 1, (n, plan)

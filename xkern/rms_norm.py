@@ -231,6 +231,67 @@ def _rms_norm_fwd_chunked_kernel(
             tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
 
 
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+):
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
+    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
+    # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
+    # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
+    # latency; the widest rows have no registers for it.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    batch = tl.program_id(1).to(tl.int64)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    inv_n = _inv(n_cols)
+    if PREFETCH:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            cur_rows, cur_mask = rows, mask
+            rows = (tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        else:
+            cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
+            x = tl.load(X + cur_rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=cur_mask,
+                        other=0.0).to(tl.float32)
+            dy = tl.load(DY + cur_rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=cur_mask,
+                         other=0.0).to(tl.float32)
+        # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
+        # per row, not per element) so that it adds 0 to dw.
+        rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
+        n = x * rstd
+        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
+        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
+        mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
+        dx = rstd * (g - n * mean_gn)
+        out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
+        tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
+    if VARIANT != 3:  # NO_WEIGHT: no dw
+        tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
+
+
 @triton.jit
 def _load_tile(ptr, rows, row_stride, n_rows, n_cols, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     # rows x (SPLIT blocks of BLOCK_N columns), as a tuple of SPLIT tiles in the input dtype
@@ -243,7 +304,7 @@ def _load_tile(ptr, rows, row_stride, n_rows, n_cols, BLOCK_N: tl.constexpr, SPL
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_kernel(
+def _rms_norm_bwd_split_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
@@ -254,10 +315,10 @@ def _rms_norm_bwd_kernel(
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
-    # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
-    # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
-    # latency; the widest rows have no registers for it. Rows are held in SPLIT blocks of BLOCK_N columns
-    # (tuples, unrolled), as in the forward's row kernel: no lanes idle at widths such as 5 x 1024.
+    # _rms_norm_bwd_kernel with each row in SPLIT blocks of BLOCK_N columns (tuples, unrolled), as in the
+    # forward's row kernel: no lanes idle at widths such as 3 x 1024. A kernel of its own: with one block this
+    # form compiles to a slower schedule for the many-row narrow tiles (bf16 128 wide: 111 -> 134 us per
+    # backward on the H200), so powers of two keep the plain tile kernel.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -605,10 +666,10 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
         split = 1
         # Widths a power-of-two block would leave more than 1/8 masked, in SPLIT blocks where that measured
-        # faster (docs/benchmarks.md, entry 13): 65-111 (80 = 5 x 16, 96 = 3 x 32; split_row, up to 5) 16-row
-        # tiles, 2 warps, 8 programs per SM (at 48 the 64 block won); 2049-3072 3 blocks of 1024, 4 warps, 4 per SM; 8193-12288 blocks
-        # of 4096, 16 warps, one per SM (the row kernel would leave a quarter to half of its lanes idle).
-        # 3073-8191: the power-of-two block measured as fast as any split (3584, 5120-7168).
+        # faster (docs/benchmarks.md, entry 13): 65-111 (80 = 5 x 16, 96 = 3 x 32; split_row, up to 5) in
+        # 16-row tiles, 2 warps, 8 programs per SM (at 48 the 64 block won); 2049-3072 in 3 blocks of 1024,
+        # 4 warps, 4 per SM; 8193-12288 in blocks of 4096, 16 warps, one per SM (the row kernel would leave a
+        # quarter to half of its lanes idle). 3073-8191: the power-of-two block measured as fast as any split.
         if (block_n - n_cols) * 8 > block_n:
             if 64 < n_cols < 128:
                 block, split = split_row(n_cols, 64, min_block=16, max_split=5)
@@ -620,9 +681,9 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                 block_n, split, num_warps, programs_per_sm = 4096, cdiv(n_cols, 4096), 16, 1
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
-        bwd = Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps,
-                     {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT": split,
-                      "PREFETCH": prefetch})
+        tile = {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
+        bwd = (Launch(_rms_norm_bwd_split_kernel, (groups, n_batch), num_warps, {**tile, "SPLIT": split}) if split > 1
+               else Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps, tile))
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
     reduce = None if variant == "none" else plan_dw_reduce(groups, n_cols, n_batch)
