@@ -1,7 +1,7 @@
 """RMSNorm with Hugging Face Llama rounding: kernels and launch plans.
 
 Forward:  y = w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype), output dtype = promote(x, w).
-Backward, joint: dx and dw in one pass over x and dy (8193-16384 wide re-reads each row from L2; wider rows
+Backward, joint: dx and dw in one pass over x and dy (12289-16384 wide re-reads each row from L2; wider rows
 take a statistics pass first); rstd is recomputed from x, never stored:
     n  = x * rstd                      (fp32)
     g  = (dy * w).to(x.dtype)          (eager rounds here: the backward of `.to(x.dtype)`)
@@ -29,7 +29,9 @@ every binary folds a width of 1 alike.
 
 Schedules: every kernel handles a BLOCK_M x BLOCK_N tile. Narrow rows (BLOCK_N <= 256, e.g. Qwen3's q/k
 norms at 128) get many rows per tile; wide rows get BLOCK_M = 1 (the forward's `_rms_norm_fwd_row_kernel`;
-the backward's `_rms_norm_bwd_row_kernel` from 8193 to 16384, which forms mean(g * n) as rstd * mean(g * x)).
+the backward's `_rms_norm_bwd_row_kernel` from 12289 to 16384, which forms mean(g * n) as rstd * mean(g * x)).
+Widths a power-of-two block fits badly are held as SPLIT blocks (a tuple, unrolled; `split_row`): the
+forward's row kernel and `_rms_norm_bwd_split_kernel` (e.g. 5120 = 5 x 1024, 12288 = 3 x 4096).
 Rows wider than the largest register block: the forward loops over column chunks (`_rms_norm_fwd_chunked_kernel`); the
 backward computes the row statistics first (`_rms_norm_bwd_stats_kernel`), then splits the rows by columns
 (`_rms_norm_bwd_cols_kernel`). Every width works.
@@ -546,6 +548,7 @@ _BWD_NARROW_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16
 # Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. Only there is it the
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
+BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
 
 
 def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
@@ -659,7 +662,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
-    elif block_n == BWD_ROW_BLOCK and n_cols > 3 * 4096:
+    elif n_cols > BWD_SPLIT_MAX:  # up to BWD_ROW_BLOCK
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16, {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
     else:
@@ -677,7 +680,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                     block_n, block_m, num_warps, programs_per_sm = block, 16, 2, 8
             elif 2048 < n_cols <= 3072:
                 block_n, split, num_warps, programs_per_sm = 1024, cdiv(n_cols, 1024), 4, 4
-            elif 8192 < n_cols:
+            elif 8192 < n_cols <= BWD_SPLIT_MAX:
                 block_n, split, num_warps, programs_per_sm = 4096, cdiv(n_cols, 4096), 16, 1
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
@@ -947,7 +950,7 @@ def compile_variants():
     dtype_pairs = [("bfloat16", "bfloat16")]
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
-    widths += [48, 80, 96, 768, 2560, 5120, 7168, 12288, 18432]  # rows in SPLIT blocks (split_row)
+    widths += [80, 96, 768, 2560, 5120, 7168, 9000, 12288, 18432]  # rows in SPLIT blocks (split_row)
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
