@@ -78,6 +78,9 @@ def _rms_entries(device: str):
         yield "rms_norm", "fwd", name, shape, functools.partial(fn, x, w)
         yield "rms_norm", "fwd+bwd", name, shape, lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
         yield "rms_norm", "bwd", name, shape, functools.partial(_backward_alone, fn, xg, wg, dy, {})
+    from torch_api.rms_norm import _Forward
+
+    yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
 
 
 def _backward_alone(fn, x, w, dy, kept: dict):
@@ -93,6 +96,7 @@ def _gather_entries(device: str):
     import torch
 
     import torch_api as tp
+    from torch_api._launch import Executor
 
     t, h = HOST_TOKENS[device]
     counts, n, n_pad = P.routing(t, h)
@@ -122,6 +126,34 @@ def _gather_entries(device: str):
     yield "inverse_permutation", "fwd", "xkern (torch)", shape, functools.partial(tp.inverse_permutation, idx, n)
     yield "inverse_permutation", "fwd", "torch (full + index_put)", shape, index_put_inverse
     yield "generate_permute_indices", "fwd", "xkern (torch)", shape, functools.partial(P.layout, counts_t, n_pad, tp)
+    # Each op's own floor: its eager executor's allocations and launch count, every kernel empty.
+    from torch_api import permute as TP
+
+    for op, ex, inputs in (
+            ("permute_rows", Executor(TP._permute_recipe(x, idx), ("x", "idx")), (x, idx)),
+            ("unpermute_rows", Executor(TP._unpermute_recipe(y, idx, n), ("y", "idx")), (y, idx)),
+            ("inverse_permutation", TP._inverse_executor(idx, n), (idx,)),
+            ("generate_permute_indices", TP._generate_executor(counts_t, P.EXPERTS_PER_RANK, P.NUM_RANKS, n_pad,
+                                                               P.ALIGNMENT), (counts_t,))):
+        yield (op, "fwd", *_recipe_floor(ex, inputs))
+
+
+def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
+    """(impl, shape, call): `executor` with every kernel replaced by an empty one launched through xkern's
+    launcher: the call's allocations and launches, none of its Python around them (checks, cache lookup,
+    autograd) and no work on the device."""
+    import copy
+
+    from torch_api._launch import _Launcher
+    from xkern.launch import Launch
+
+    empty = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
+    floor = copy.copy(executor)
+    floor.steps = [(None if launcher is None else lambda arrays, device: empty(arrays[:1], device), ins, news)
+                   for launcher, ins, news in executor.steps]
+    launches = sum(launcher is not None for launcher, _, _ in executor.steps)
+    allocs = len(executor.pools) + sum(len(b) == 3 for _, _, news in executor.steps for b in news)
+    return f"floor: its {launches} launch(es) empty, {allocs} allocation(s)", "", functools.partial(floor, *inputs)
 
 
 def _floor_entries(device: str):

@@ -117,18 +117,22 @@ def host_tables(results) -> list[str]:
         out += ["", "**Host cost per call** (eager tight loop, one synchronize at the end; wall µs per call, the "
                 "device time of the call in a CUDA graph beside it). The floor of this host: an empty custom op, an "
                 "empty Triton launch, and `torch.autograd.grad` through a native op (F.rms_norm's forward + "
-                "backward).", ""]
+                "backward); each xkern call's own floor: its eager executor's allocations and launches with every "
+                "kernel empty (the rest of the call is its Python: checks, cache lookup, autograd).", ""]
         lines = []
         for (op, pass_), by in _group(host, lambda h: (h["op"], h["pass"])).items():
             if op == "floor":
-                lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", ""] for impl, h in by.items()]
+                lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", "", ""] for impl, h in by.items()]
                 continue
             xk = by.pop("xkern (torch)", None)
+            own = [f"{h['wall_us']:.1f} ({impl.removeprefix('floor: its ')})" for impl, h in list(by.items())
+                   if impl.startswith("floor:") and by.pop(impl)]
             lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
                           f"{xk['wall_us']:.1f}" if xk else "",
                           f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",
-                          ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
-        out += _table(["call", "xkern wall µs", "xkern device µs", "peers: wall µs"], lines)
+                          ", ".join(own), ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
+        out += _table(["call", "xkern wall µs", "xkern device µs", "its floor: wall µs (empty kernels)",
+                       "peers: wall µs"], lines)
     block = [b for b in results.get("block", []) if "wall_us" in b]
     if block:
         cfg = block[0]["config"]
@@ -226,7 +230,9 @@ def summary(results: dict, sweep: dict | None, rel: str, plot_rel: str | None) -
     out += _table(["op, pass", "dtype", "xkern (torch)", "worst ratio to best peer", "worst JAX / torch"], lines)
     host = {(h["op"], h["pass"], h["impl"]): h["wall_us"] for h in results.get("host", []) if "wall_us" in h}
     if host:
-        cells = [f"{op} {p}: {us:.0f}" for (op, p, impl), us in host.items() if impl == "xkern (torch)"]
+        own = {(op, p): us for (op, p, impl), us in host.items() if impl.startswith("floor:")}
+        cells = [f"{op} {p}: {us:.0f}" + (f" (its floor {own[op, p]:.0f})" if (op, p) in own else "")
+                 for (op, p, impl), us in host.items() if impl == "xkern (torch)"]
         peers = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "rms_norm" and p == "fwd"
                  and impl != "xkern (torch)"]
         floor = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "floor"]
@@ -331,7 +337,8 @@ def plot_host(results: dict, path: str) -> str | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(host) + 1.2))
     labels = [f"{h['op']} {h['pass']}: {h['impl']}" for h in host]
-    colors = ["tab:blue" if h["impl"].startswith("xkern") else "tab:grey" if h["op"] == "floor" else "tab:orange"
+    colors = ["tab:blue" if h["impl"].startswith("xkern") else "tab:grey"
+              if h["op"] == "floor" or h["impl"].startswith("floor:") else "tab:orange"
               for h in host]
     ax.barh(range(len(host)), [h["wall_us"] for h in host], color=colors)
     ax.set_yticks(range(len(host)))

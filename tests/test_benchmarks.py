@@ -34,6 +34,9 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert any(r.get("sweep") for r in rows)
     assert {r["op"] for r in results["host"] if "wall_us" in r} >= {
         "floor", "rms_norm", "permute_rows", "unpermute_rows", "inverse_permutation", "generate_permute_indices"}
+    floors = {r["op"] for r in results["host"] if r["impl"].startswith("floor: its") and "wall_us" in r}
+    assert floors == {"rms_norm", "permute_rows", "unpermute_rows", "inverse_permutation", "generate_permute_indices"}
+    assert "its floor" in path.with_suffix(".md").read_text()
     assert sum("wall_us" in b for b in results["block"]) == 4  # eager and compile, two norms (graphs need CUDA)
     forms = {(r["framework"], r["form"]) for r in results["sharded"] if "device_us" in r}
     assert len(forms) == 7 and all(r["bitwise_equal_plain"] for r in results["sharded"] if "width" not in r["form"])

@@ -120,6 +120,25 @@ def test_generate_edge_cases(case):
         assert np.all(ref[1] == alignment) and np.all(ref[0] == -1)
 
 
+def test_generate_results_share_one_aligned_allocation():
+    """The eager call carves its 1-D int32 buffers from one allocation (host time): each result must sit at
+    a 16-byte boundary (the launcher's fast path, the binary JAX runs), none may overlap another or a
+    scratch table still being written, and a second call must not hand back the first call's memory."""
+    experts, ranks, alignment = 3, 3, 8  # 3 and 9 int32: pieces that need padding to 16 bytes
+    counts = _counts(_rng("pool"), experts, ranks, True)
+    max_len = _max_len(counts, experts, alignment, "extra")
+    ref = R.generate_permute_indices(counts, experts, ranks, max_len, alignment)
+    first = torch_api.generate_permute_indices(to_torch(counts.astype(np.int32)), experts, ranks, max_len, alignment)
+    second = torch_api.generate_permute_indices(to_torch(counts.astype(np.int32)), experts, ranks, max_len, alignment)
+    for got in (first, second):
+        assert all(same_bits(t, r) for t, r in zip(got, ref, strict=True))
+        assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in got)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in got)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
+
+
 def test_oracle_follows_torchtitan_layout():
     """A hand-worked example: 2 ranks x 2 experts, alignment 4."""
     counts = np.array([2, 1,   # rank 0: rows 0-1 -> expert 0, row 2 -> expert 1

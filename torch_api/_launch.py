@@ -218,20 +218,43 @@ def _entry(binary):
 class Executor:
     """A recipe bound for eager launches: buffers by position, launchers built once. Cache one per call
     signature (shapes, strides, dtypes, scalars) and call it with the input tensors. `shapes` gives some
-    buffers another shape of the same size (contiguous, so the same layout), e.g. a result in x's shape."""
+    buffers another shape of the same size (contiguous, so the same layout), e.g. a result in x's shape.
+
+    Unfilled 1-D buffers of one dtype (the index ops' scratch tables and results) are carved from one
+    allocation (`split_with_sizes`, each piece at a 16-byte boundary): an allocation costs the host more
+    than a split piece (generate_permute_indices: 5 buffers, 1 allocation)."""
 
     def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None):
         shapes = shapes or {}
         index = {n: i for i, n in enumerate(input_names)}
-        self.steps = []
+        outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for step in recipe.steps
+                for b in step.outputs]
+        pools: dict = {}  # dtype -> positions (in `outs`) of its unfilled 1-D buffers
+        for at, (shape, dtype, fill) in enumerate(outs):
+            if fill is None and len(shape) == 1:
+                pools.setdefault(dtype, []).append(at)
+        self.pools, source = [], {}
+        for dtype, members in pools.items():
+            if len(members) < 2:
+                continue
+            align = 16 // torch.empty((), dtype=dtype).element_size()
+            sizes = []
+            for at in members:
+                source[at] = (len(self.pools), len(sizes))
+                n = outs[at][0][0]
+                sizes += [n, -n % align] if at != members[-1] and n % align else [n]
+            self.pools.append((dtype, sum(sizes), sizes))
+        self.steps, at = [], 0
         for step in recipe.steps:
             ins = [index[n] for n in step.inputs]
+            news = []
             for b in step.outputs:
                 index[b.name] = len(index)
+                news.append(source.get(at, outs[at]))
+                at += 1
             launcher = None if step.launch is None else _Launcher(step.launch, len(ins), len(step.outputs),
                                                                   step.scalars)
-            outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for b in step.outputs]
-            self.steps.append((launcher, ins, outs))
+            self.steps.append((launcher, ins, news))
         self.results = [index[n] for n in recipe.results]
         self.single = (len(self.steps) == 1 and self.steps[0][0] is not None and len(self.steps[0][2]) == 1
                        and self.steps[0][2][0][2] is None and self.steps[0][1] == list(range(len(input_names)))
@@ -244,10 +267,12 @@ class Executor:
             out = torch.empty(shape, dtype=dtype, device=device)
             launcher([*inputs, out], device.index)
             return [out]
+        pieces = [torch.empty(total, dtype=dtype, device=device).split_with_sizes(sizes)
+                  for dtype, total, sizes in self.pools]
         bufs = list(inputs)
-        for launcher, ins, outs in self.steps:
-            new = [torch.empty(shape, dtype=dtype, device=device) if fill is None
-                   else torch.full(shape, fill, dtype=dtype, device=device) for shape, dtype, fill in outs]
+        for launcher, ins, news in self.steps:
+            new = [pieces[b[0]][b[1]] if len(b) == 2 else torch.empty(b[0], dtype=b[1], device=device)
+                   if b[2] is None else torch.full(b[0], b[2], dtype=b[1], device=device) for b in news]
             if launcher is not None:
                 launcher([bufs[i] for i in ins] + new, device.index)
             bufs += new
