@@ -142,18 +142,14 @@ def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
     """(impl, shape, call): `executor` with every kernel replaced by an empty one launched through xkern's
     launcher: the call's allocations and launches, none of its Python around them (checks, cache lookup,
     autograd) and no work on the device."""
-    import copy
-
-    from torch_api._launch import _Launcher
+    from torch_api._launch import Executor, _Launcher
     from xkern.launch import Launch
 
     empty = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
-    floor = copy.copy(executor)
-    floor.steps = [(None if launcher is None else lambda arrays, device: empty(arrays[:1], device), ins, news)
-                   for launcher, ins, news in executor.steps]
-    launches = sum(launcher is not None for launcher, _, _ in executor.steps)
-    allocs = len(executor.pools) + sum(len(b) == 3 for _, _, news in executor.steps for b in news)
-    return f"floor: its {launches} launch(es) empty, {allocs} allocation(s)", "", functools.partial(floor, *inputs)
+    floor = Executor(executor.recipe, executor.input_names, executor.shapes,
+                     wrap=lambda _: lambda arrays, device: empty(arrays[:1], device))
+    return (f"floor: its {floor.launches} launch(es) empty, {floor.allocations} allocation(s)", "",
+            functools.partial(floor, *inputs))
 
 
 def _floor_entries(device: str):

@@ -216,64 +216,61 @@ def _entry(binary):
 
 
 class Executor:
-    """A recipe bound for eager launches: buffers by position, launchers built once. Cache one per call
-    signature (shapes, strides, dtypes, scalars) and call it with the input tensors. `shapes` gives some
-    buffers another shape of the same size (contiguous, so the same layout), e.g. a result in x's shape.
+    """A recipe bound for eager launches: cache one per call signature (shapes, strides, dtypes, scalars)
+    and call it with the input tensors. `shapes` gives some buffers another shape of the same size
+    (contiguous, so the same layout), e.g. a result in x's shape.
 
-    Unfilled 1-D buffers of one dtype (the index ops' scratch tables and results) are carved from one
-    allocation (`split_with_sizes`, each piece at a 16-byte boundary): an allocation costs the host more
-    than a split piece (generate_permute_indices: 5 buffers, 1 allocation)."""
+    The launchers are built once and the call is generated as straight-line Python (allocate, launch, in
+    the recipe's order): a loop over the steps cost the host ~2.6 µs more per two-step call. Unfilled 1-D
+    buffers of one dtype (the index ops' tables and results) are carved from one allocation
+    (`split_with_sizes`, each piece at a 16-byte boundary): generate_permute_indices makes 5 buffers from 1.
+    `wrap` replaces each launcher by `wrap(launcher)` (the host benchmark's floor: empty kernels)."""
 
-    def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None):
+    def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None, wrap=None):
+        self.recipe, self.input_names, self.shapes = recipe, input_names, shapes
         shapes = shapes or {}
-        index = {n: i for i, n in enumerate(input_names)}
         outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for step in recipe.steps
                 for b in step.outputs]
         pools: dict = {}  # dtype -> positions (in `outs`) of its unfilled 1-D buffers
         for at, (shape, dtype, fill) in enumerate(outs):
             if fill is None and len(shape) == 1:
                 pools.setdefault(dtype, []).append(at)
-        self.pools, source = [], {}
+        env = {"empty": torch.empty, "full": torch.full}
+        var = {n: f"a{i}" for i, n in enumerate(input_names)}
+        code = [f"def run({', '.join(var.values())}):", "    dev = a0.device", "    n = dev.index"]
+        source = {}
         for dtype, members in pools.items():
             if len(members) < 2:
                 continue
+            k, sizes = len(env), []
             align = 16 // torch.empty((), dtype=dtype).element_size()
-            sizes = []
             for at in members:
-                source[at] = (len(self.pools), len(sizes))
+                source[at] = f"p{k}[{len(sizes)}]"
                 n = outs[at][0][0]
                 sizes += [n, -n % align] if at != members[-1] and n % align else [n]
-            self.pools.append((dtype, sum(sizes), sizes))
-        self.steps, at = [], 0
-        for step in recipe.steps:
-            ins = [index[n] for n in step.inputs]
-            news = []
+            env[f"D{k}"], env[f"S{k}"] = dtype, sizes
+            code.append(f"    p{k} = empty({sum(sizes)}, dtype=D{k}, device=dev).split_with_sizes(S{k})")
+        self.allocations, self.launches, at = sum(len(m) > 1 for m in pools.values()), 0, 0
+        for j, step in enumerate(recipe.steps):
+            new = []
             for b in step.outputs:
-                index[b.name] = len(index)
-                news.append(source.get(at, outs[at]))
+                var[b.name] = name = f"b{at}"
+                shape, env[f"D_{at}"], fill = outs[at]
+                if at not in source:
+                    self.allocations += 1
+                    source[at] = (f"empty({shape}, dtype=D_{at}, device=dev)" if fill is None else
+                                  f"full({shape}, {fill!r}, dtype=D_{at}, device=dev)")
+                code.append(f"    {name} = {source[at]}")
+                new.append(name)
                 at += 1
-            launcher = None if step.launch is None else _Launcher(step.launch, len(ins), len(step.outputs),
-                                                                  step.scalars)
-            self.steps.append((launcher, ins, news))
-        self.results = [index[n] for n in recipe.results]
-        self.single = (len(self.steps) == 1 and self.steps[0][0] is not None and len(self.steps[0][2]) == 1
-                       and self.steps[0][2][0][2] is None and self.steps[0][1] == list(range(len(input_names)))
-                       and self.results == [len(input_names)])
+            if step.launch is not None:
+                launcher = _Launcher(step.launch, len(step.inputs), len(step.outputs), step.scalars)
+                env[f"L{j}"] = launcher if wrap is None else wrap(launcher)
+                code.append(f"    L{j}([{', '.join([var[n] for n in step.inputs] + new)}], n)")
+                self.launches += 1
+        code.append(f"    return [{', '.join(var[n] for n in recipe.results)}]")
+        exec("\n".join(code), env)  # noqa: S102 - our own code, from the recipe's names and shapes
+        self.run = env["run"]
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        device = inputs[0].device
-        if self.single:  # one launch, one output (the forward, the gathers): no buffer bookkeeping
-            launcher, _, ((shape, dtype, _),) = self.steps[0]
-            out = torch.empty(shape, dtype=dtype, device=device)
-            launcher([*inputs, out], device.index)
-            return [out]
-        pieces = [torch.empty(total, dtype=dtype, device=device).split_with_sizes(sizes)
-                  for dtype, total, sizes in self.pools]
-        bufs = list(inputs)
-        for launcher, ins, news in self.steps:
-            new = [pieces[b[0]][b[1]] if len(b) == 2 else torch.empty(b[0], dtype=b[1], device=device)
-                   if b[2] is None else torch.full(b[0], b[2], dtype=b[1], device=device) for b in news]
-            if launcher is not None:
-                launcher([bufs[i] for i in ins] + new, device.index)
-            bufs += new
-        return [bufs[i] for i in self.results]
+        return self.run(*inputs)

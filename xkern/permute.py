@@ -346,7 +346,8 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
         return (Step(None, (), (Buffer(inv, (num_rows,), index_dtype, fill=-1),)),)
     _, settle = plan_inverse(n_slots, num_rows)
     return (_scatter_step(idx, n_slots, num_rows, index_dtype),
-            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),), dict(n_slots=n_slots, n_rows=num_rows)))
+            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),),
+                 dict(n_slots=n_slots, n_rows=num_rows)))
 
 
 @functools.lru_cache(maxsize=4096)
