@@ -2,9 +2,9 @@
 mode (compile, reduce-overhead) and norm (xkern, HF eager): wall µs per step, Inductor's counters (CUDA
 graph skips among them), the top functions of a cProfile of the steps, and Inductor's generated code.
 
-    python -m benchmarks.block_profile --out DIR [--steps 200]
+    python -m benchmarks.block_profile --out DIR [--steps 200] [--modes compile,reduce-overhead] [--code]
 
-Writes DIR/block_profile.txt and DIR/block-<mode>-<norm>-<i>.py (the generated modules). A diagnostic: its
+Writes DIR/block_profile.txt, with `--code` DIR/block-<mode>-<norm>-<i>.py (the generated modules). A diagnostic: its
 numbers are not the benchmark's (that is `benchmarks.host.block_table`, timed in turn).
 """
 
@@ -22,6 +22,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--modes", default="compile,reduce-overhead")
+    parser.add_argument("--code", action="store_true", help="also write Inductor's generated modules")
     args = parser.parse_args()
     import torch
     from torch._dynamo.utils import counters
@@ -33,14 +35,14 @@ def main() -> None:
     cfg = BLOCK[device]
     os.makedirs(args.out, exist_ok=True)
     report = []
-    modes = ("compile", "reduce-overhead") if device == "cuda" else ("compile",)
+    modes = [m for m in args.modes.split(",") if device == "cuda" or m == "compile"]
     for mode in modes:
         for norm in ("xkern", "HF eager"):
             torch._dynamo.reset()
             counters.clear()
             step = _block_step(mode, norm, cfg, device)
             _, codes = run_and_get_code(step)
-            for i, code in enumerate(codes):
+            for i, code in enumerate(codes if args.code else ()):
                 with open(os.path.join(args.out, f"block-{mode}-{norm.split()[0]}-{i}.py"), "w") as f:
                     f.write(code)
             for _ in range(10):

@@ -139,6 +139,39 @@ def test_generate_results_share_one_aligned_allocation():
     assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
 
 
+def test_executor_fast_allocations_match_torch_empty(monkeypatch):
+    """The eager call's generated code allocates through the current device's caching allocator as
+    Inductor's code does (no torch.empty argument parsing); its buffers must equal torch.empty's: the same
+    results bit for bit, shapes, strides, dtypes and 16-byte alignment. On CPU the CPU twin of that
+    allocator stands in, so the generated fast path runs here too."""
+    import torch_api._launch as L
+    from xkern.permute import generate_recipe, unpermute_recipe
+    from xkern.rms_norm import rms_norm_bwd_recipe
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(L, "_ALLOC", torch._C._dynamo.guards._empty_strided_cpu)
+        monkeypatch.setattr(L, "_CURRENT_DEVICE", lambda: None)
+    rng = _rng("fast alloc")
+    counts = _counts(rng, 3, 3, True)
+    max_len = _max_len(counts, 3, 8, "extra")
+    idx_np = R.generate_permute_indices(counts, 3, 3, max_len, 8)[0]
+    n = int(counts.sum())
+    y = to_torch(rand(rng, (max_len, 40), "bfloat16"))
+    x, dy = (to_torch(rand(rng, (6, 256), "bfloat16")) for _ in range(2))
+    w = to_torch(rand(rng, (256,), "bfloat16"))
+    cases = [(generate_recipe(3, 3, max_len, 8), ("counts",), None, (to_torch(counts.astype(np.int32)),)),
+             (unpermute_recipe(max_len, 40, n, "bfloat16", 40, "int32"), ("y", "idx"), None, (y, to_torch(idx_np))),
+             (rms_norm_bwd_recipe(6, 256, 1e-6, "bfloat16", "bfloat16", 256, 256), ("x", "w", "dy"),
+              {"dx": (2, 3, 256)}, (x, w, dy))]
+    for recipe, names, shapes, inputs in cases:
+        ex = L.Executor(recipe, names, shapes)
+        assert ex.run.__name__ == "run"  # the fast path, not the torch.empty one
+        fast, slow = ex(*inputs), ex.run.__globals__["run_any"](*inputs)
+        for a, b in zip(fast, slow, strict=True):
+            assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+            assert a.data_ptr() % 16 == 0 and same_bits(a, b)
+
+
 def test_oracle_follows_torchtitan_layout():
     """A hand-worked example: 2 ranks x 2 experts, alignment 4."""
     counts = np.array([2, 1,   # rank 0: rows 0-1 -> expert 0, row 2 -> expert 1

@@ -215,6 +215,13 @@ def _entry(binary):
     return run, (binary.function,), binary.packed_metadata
 
 
+# The allocation Inductor's generated code makes (the current CUDA device, no argument parsing): a third of
+# torch.empty's host time. Absent (an older or CPU-only torch, the interpreter): torch.empty throughout.
+_ALLOC = None if INTERPRET else getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_ALLOC = getattr(_ALLOC, "_empty_strided_cuda", None)
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 class Executor:
     """A recipe bound for eager launches: cache one per call signature (shapes, strides, dtypes, scalars)
     and call it with the input tensors. `shapes` gives some buffers another shape of the same size
@@ -235,42 +242,62 @@ class Executor:
         for at, (shape, dtype, fill) in enumerate(outs):
             if fill is None and len(shape) == 1:
                 pools.setdefault(dtype, []).append(at)
-        env = {"empty": torch.empty, "full": torch.full}
-        var = {n: f"a{i}" for i, n in enumerate(input_names)}
-        code = [f"def run({', '.join(var.values())}):", "    dev = a0.device", "    n = dev.index"]
-        source = {}
-        for dtype, members in pools.items():
-            if len(members) < 2:
-                continue
-            k, sizes = len(env), []
-            align = 16 // torch.empty((), dtype=dtype).element_size()
-            for at in members:
-                source[at] = f"p{k}[{len(sizes)}]"
-                n = outs[at][0][0]
-                sizes += [n, -n % align] if at != members[-1] and n % align else [n]
-            env[f"D{k}"], env[f"S{k}"] = dtype, sizes
-            code.append(f"    p{k} = empty({sum(sizes)}, dtype=D{k}, device=dev).split_with_sizes(S{k})")
-        self.allocations, self.launches, at = sum(len(m) > 1 for m in pools.values()), 0, 0
+        pools = {dtype: members for dtype, members in pools.items() if len(members) > 1}
+        env = {"empty": torch.empty, "full": torch.full, "alloc": _ALLOC, "current": _CURRENT_DEVICE}
+        for k, (_, dtype, _) in enumerate(outs):
+            env[f"D{k}"] = dtype
+        launches = []
         for j, step in enumerate(recipe.steps):
-            new = []
-            for b in step.outputs:
-                var[b.name] = name = f"b{at}"
-                shape, env[f"D_{at}"], fill = outs[at]
-                if at not in source:
-                    self.allocations += 1
-                    source[at] = (f"empty({shape}, dtype=D_{at}, device=dev)" if fill is None else
-                                  f"full({shape}, {fill!r}, dtype=D_{at}, device=dev)")
-                code.append(f"    {name} = {source[at]}")
-                new.append(name)
-                at += 1
             if step.launch is not None:
                 launcher = _Launcher(step.launch, len(step.inputs), len(step.outputs), step.scalars)
                 env[f"L{j}"] = launcher if wrap is None else wrap(launcher)
-                code.append(f"    L{j}([{', '.join([var[n] for n in step.inputs] + new)}], n)")
-                self.launches += 1
-        code.append(f"    return [{', '.join(var[n] for n in recipe.results)}]")
+                launches.append(j)
+        self.launches = len(launches)
+        self.allocations = len(pools) + sum(1 for at in range(len(outs)) if all(at not in m for m in pools.values()))
+        args = ", ".join(f"a{i}" for i in range(len(input_names)))
+        code = [f"def run({args}):", "    dev = a0.device", "    n = dev.index",
+                f"    if n != current():  # not the current CUDA device (or CPU): through torch.empty\n"
+                f"        return run_any({args})"]
+        for fast in (True, False):
+            if not fast:
+                code += [f"def run_any({args}):", "    dev = a0.device", "    n = dev.index"]
+            code += self._body(recipe, input_names, outs, pools, env, launches, fast)
         exec("\n".join(code), env)  # noqa: S102 - our own code, from the recipe's names and shapes
-        self.run = env["run"]
+        self.run = env["run"] if _ALLOC is not None and _CURRENT_DEVICE is not None else env["run_any"]
+
+    @staticmethod
+    def _body(recipe, input_names, outs, pools, env, launches, fast: bool) -> list[str]:
+        """The generated call's statements: allocations (`alloc`: the current device's caching allocator
+        without torch.empty's argument parsing, as Inductor's generated code allocates), then the launches."""
+        def new(shape, dtype):
+            strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            return f"alloc({shape}, {strides}, {dtype})" if fast else f"empty({shape}, dtype={dtype}, device=dev)"
+
+        code, source = [], {}
+        for k, (dtype, members) in enumerate(pools.items()):
+            sizes = []
+            align = 16 // torch.empty((), dtype=dtype).element_size()
+            for at in members:
+                source[at] = f"p{k}[{len(sizes)}]"
+                size = outs[at][0][0]
+                sizes += [size, -size % align] if at != members[-1] and size % align else [size]
+            env[f"S{k}"] = sizes
+            code.append(f"    p{k} = {new((sum(sizes),), f'D{members[0]}')}.split_with_sizes(S{k})")
+        var = {name: f"a{i}" for i, name in enumerate(input_names)}
+        at = 0
+        for j, step in enumerate(recipe.steps):
+            names = []
+            for b in step.outputs:
+                var[b.name] = name = f"b{at}"
+                shape, _, fill = outs[at]
+                code.append(f"    {name} = " + (source.get(at) or (new(shape, f"D{at}") if fill is None else
+                                                                f"full({shape}, {fill!r}, dtype=D{at}, device=dev)")))
+                names.append(name)
+                at += 1
+            if j in launches:
+                code.append(f"    L{j}([{', '.join([var[n] for n in step.inputs] + names)}], n)")
+        code.append(f"    return [{', '.join(var[n] for n in recipe.results)}]")
+        return code
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         return self.run(*inputs)
