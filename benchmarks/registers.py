@@ -5,7 +5,9 @@
 Compiles each plan's kernel as the launchers do (`xkern.compile_check.source`: 16-byte aligned pointers)
 and runs Triton's bundled `ptxas -v` on the PTX: a kernel that spills, or whose registers cap the warps
 per SM, is bound by the register file. `--sweep`: every width of the benchmark's width sweep (rows filling
-its 2^26 elements), as a markdown table with the occupancy the registers allow and the waves of programs.
+its 2^26 elements), as a markdown table with the occupancy the registers allow, the waves of programs and
+the bytes of x (and dy) the resident programs hold in flight per SM (one tile each; what the backward's
+fraction of the copy ceiling depends on, with the lanes in use: docs/benchmarks.md, entry 15).
 """
 
 from __future__ import annotations
@@ -51,25 +53,33 @@ def occupancy(regs: int, num_warps: int) -> int:
     return max(0, min(SM_REGS // (per_warp * num_warps), SM_WARPS // num_warps, SM_CTAS))
 
 
-def _row(name: str, launch) -> list[str]:
+def _row(name: str, launch, n_cols: int) -> list[str]:
     info = ptxas_info(launch)
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = re.search(r"(\d+) bytes spill stores", info)
     per_sm = occupancy(regs, launch.num_warps)
     grid = math.prod(launch.grid)
-    tile = f"{launch.constexprs.get('BLOCK_M', 1)}×{launch.constexprs['BLOCK_N']}"
+    rows = launch.constexprs.get("BLOCK_M", 1)
+    split = launch.constexprs.get("SPLIT", 1)
+    tile = f"{rows}×{launch.constexprs['BLOCK_N']}" + (f"×{split}" if split > 1 else "")
+    # Little's law: the bytes the resident programs have in flight, one tile of x (and dy) each, bf16; the
+    # H200 needs ~33 KB per SM (4.3 TB/s × ~1 µs over 132 SMs) to run at its copy ceiling.
+    resident = min(per_sm, -(-grid // K.NUM_SMS))  # a persistent grid may launch fewer than fit
+    cols = min(n_cols, launch.constexprs["BLOCK_N"] * split)  # the column-split kernels hold a chunk
+    in_flight = resident * rows * cols * 2 * (2 if name == "bwd" else 1) / 1024
     return [name, launch.kernel.fn.__name__.removeprefix("_rms_norm_").removesuffix("_kernel"), tile,
             str(launch.num_warps), str(regs), spill.group(1) if spill else "0", str(per_sm),
-            str(per_sm * launch.num_warps), f"{grid / max(1, per_sm * K.NUM_SMS):.1f}"]
+            str(per_sm * launch.num_warps), f"{grid / max(1, per_sm * K.NUM_SMS):.1f}", f"{in_flight:.0f}"]
 
 
 def sweep():
-    print("| width | pass | kernel | tile | warps | registers | spill bytes | programs/SM | warps/SM | waves |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| width | pass | kernel | tile | warps | registers | spill bytes | programs/SM | warps/SM | waves | "
+          "KB in flight/SM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in SWEEP_WIDTHS:
         m = SWEEP_ELEMS // n
         for name, launch in (("fwd", K.plan_rms_norm_fwd(m, n, 1e-6)), ("bwd", K.plan_rms_norm_bwd(m, n, 1e-6).bwd)):
-            print(f"| {n} | " + " | ".join(_row(name, launch)) + " |", flush=True)
+            print(f"| {n} | " + " | ".join(_row(name, launch, n)) + " |", flush=True)
 
 
 def main():
