@@ -236,16 +236,17 @@ class Executor:
     def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None, wrap=None):
         self.recipe, self.input_names, self.shapes = recipe, input_names, shapes
         shapes = shapes or {}
-        outs = [(tuple(shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for step in recipe.steps
-                for b in step.outputs]
+        # int(): the shapes are written into the generated code (a numpy integer would print as np.int64(8))
+        outs = [(tuple(int(d) for d in shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill)
+                for step in recipe.steps for b in step.outputs]
         pools: dict = {}  # dtype -> positions (in `outs`) of its unfilled 1-D buffers
         for at, (shape, dtype, fill) in enumerate(outs):
             if fill is None and len(shape) == 1:
                 pools.setdefault(dtype, []).append(at)
         pools = {dtype: members for dtype, members in pools.items() if len(members) > 1}
         env = {"empty": torch.empty, "full": torch.full, "alloc": _ALLOC, "current": _CURRENT_DEVICE}
-        for k, (_, dtype, _) in enumerate(outs):
-            env[f"D{k}"] = dtype
+        for k, (_, dtype, fill) in enumerate(outs):
+            env[f"D{k}"], env[f"F{k}"] = dtype, fill
         launches = []
         for j, step in enumerate(recipe.steps):
             if step.launch is not None:
@@ -291,7 +292,7 @@ class Executor:
                 var[b.name] = name = f"b{at}"
                 shape, _, fill = outs[at]
                 code.append(f"    {name} = " + (source.get(at) or (new(shape, f"D{at}") if fill is None else
-                                                                f"full({shape}, {fill!r}, dtype=D{at}, device=dev)")))
+                                                                f"full({shape}, F{at}, dtype=D{at}, device=dev)")))
                 names.append(name)
                 at += 1
             if j in launches:
