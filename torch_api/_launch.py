@@ -62,6 +62,12 @@ def functorch_active() -> bool:
     return _peek_functorch() is not None
 
 
+def forward_mode() -> bool:
+    """Whether a Function applied now may have its `jvp` called: forward-mode AD or a functorch transform
+    is active. Otherwise `setup_context` skips `save_for_forward` (~3 µs of an eager training step)."""
+    return forward_ad._current_level >= 0 or _peek_functorch() is not None
+
+
 def fast_apply(function: type[torch.autograd.Function]):
     """`function.apply` without its Python wrapper (which re-binds default arguments through
     inspect.signature on every call), for calls with every argument given and no functorch transform

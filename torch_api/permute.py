@@ -18,6 +18,7 @@ from torch_api._launch import (
     dtype_name,
     eager,
     fast_apply,
+    forward_mode,
     functorch_active,
     needs_autograd,
     register_op,
@@ -161,7 +162,8 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
-        ctx.save_for_forward(inputs[1])
+        if forward_mode():
+            ctx.save_for_forward(inputs[1])
         ctx.num_rows = inputs[0].shape[0]
 
     @staticmethod
@@ -183,7 +185,8 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
-        ctx.save_for_forward(inputs[1])
+        if forward_mode():
+            ctx.save_for_forward(inputs[1])
         ctx.num_rows = inputs[2]
 
     @staticmethod

@@ -21,6 +21,7 @@ from torch_api._launch import (
     dtype_name,
     eager,
     fast_apply,
+    forward_mode,
     functorch_active,
     needs_autograd,
     register_op,
@@ -253,7 +254,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, eps, variant = inputs
         ctx.save_for_backward(x, weight)
-        ctx.save_for_forward(x, weight)
+        if forward_mode():
+            ctx.save_for_forward(x, weight)
         ctx.eps, ctx.variant = eps, variant
 
     @staticmethod
@@ -297,7 +299,8 @@ class _RMSNormBackward(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         dy, x, weight, eps, variant = inputs
         ctx.save_for_backward(dy, x, weight)
-        ctx.save_for_forward(dy, x, weight)
+        if forward_mode():
+            ctx.save_for_forward(dy, x, weight)
         ctx.eps, ctx.variant = eps, variant
 
     @staticmethod
