@@ -125,8 +125,8 @@ def host_tables(results) -> list[str]:
                 lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", "", ""] for impl, h in by.items()]
                 continue
             xk = by.pop("xkern (torch)", None)
-            own = [f"{h['wall_us']:.1f} ({impl.removeprefix('floor: its ')})" for impl, h in list(by.items())
-                   if impl.startswith("floor:") and by.pop(impl)]
+            floors = {impl: by.pop(impl) for impl in [i for i in by if i.startswith("floor:")]}
+            own = [f"{h['wall_us']:.1f} ({impl.removeprefix('floor: its ')})" for impl, h in floors.items()]
             lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
                           f"{xk['wall_us']:.1f}" if xk else "",
                           f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",

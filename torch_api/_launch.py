@@ -81,7 +81,7 @@ def needs_autograd(a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tens
     forward-mode AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
     return (torch.is_grad_enabled() and (a.requires_grad or b is not None and b.requires_grad
                                          or c is not None and c.requires_grad)
-            or forward_ad._current_level >= 0 or _peek_functorch() is not None)
+            or forward_mode())
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
