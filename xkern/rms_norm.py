@@ -233,6 +233,24 @@ def _rms_norm_fwd_chunked_kernel(
             tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
 
 
+@triton.jit
+def _bwd_tile_start(X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+                    ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr):
+    # The tile kernels' common start: widths and strides at their alignment, this program's place in the
+    # persistent grid, and the pointers moved to its batch (jax.vmap's per-example problems).
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
+    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    batch = tl.program_id(1).to(tl.int64)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
+    return X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
 def _rms_norm_bwd_kernel(
     X, W, DY,
@@ -241,19 +259,11 @@ def _rms_norm_bwd_kernel(
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
 ):
-    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
-    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
-    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
-    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
     # latency; the widest rows have no registers for it.
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    batch = tl.program_id(1).to(tl.int64)
-    X += batch * n_rows * x_row_stride
-    DY += batch * n_rows * dy_row_stride
-    DX += batch * n_rows * dx_row_stride
+    X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
+        X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -313,20 +323,12 @@ def _rms_norm_bwd_split_kernel(
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
 ):
-    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
-    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
-    dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
-    dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
     # _rms_norm_bwd_kernel with each row in SPLIT blocks of BLOCK_N columns (tuples, unrolled), as in the
     # forward's row kernel: no lanes idle at widths such as 3 x 1024. A kernel of its own: with one block this
     # form compiles to a slower schedule for the many-row narrow tiles (bf16 128 wide: 111 -> 134 us per
     # backward on the H200), so powers of two keep the plain tile kernel.
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    batch = tl.program_id(1).to(tl.int64)
-    X += batch * n_rows * x_row_stride
-    DY += batch * n_rows * dy_row_stride
-    DX += batch * n_rows * dx_row_stride
+    X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
+        X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
     ws = ()
     dw_acc = ()
     for i in tl.static_range(SPLIT):
