@@ -56,7 +56,8 @@ def test_block_profile_runs(tmp_path):
     """The compiled block's host profile (`benchmarks.block_profile`) on CPU: both norms' compiled steps run,
     and the report names them (a diagnostic for the GPU; its numbers here mean nothing)."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.block_profile", "--out", str(tmp_path), "--steps", "2",
-                           "--code"], capture_output=True, text=True, timeout=600)
+                           "--code", "--together"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (tmp_path / "block_profile.txt").read_text()
     assert "## compile, xkern norm" in text and "## compile, HF eager norm" in text and "inductor counters" in text
+    assert "## compile, in turn: xkern" in text and "## compile, xkern norm, after both compiled" in text

@@ -234,21 +234,18 @@ def _rms_norm_fwd_chunked_kernel(
 
 
 @triton.jit
-def _bwd_tile_start(X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
-                    ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr):
+def _bwd_tile_start(n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN: tl.constexpr,
+                    ONE_COL: tl.constexpr):
     # The tile kernels' common start: widths and strides at their alignment, this program's place in the
-    # persistent grid, and the pointers moved to its batch (jax.vmap's per-example problems).
+    # persistent grid and its batch (jax.vmap's per-example problems). No pointers in or out: torch's
+    # wrap_triton access analysis counts a pointer passed through a call as written (then X and DY look
+    # mutated under torch.compile).
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    batch = tl.program_id(1).to(tl.int64)
-    X += batch * n_rows * x_row_stride
-    DY += batch * n_rows * dy_row_stride
-    DX += batch * n_rows * dx_row_stride
-    return X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch
+    return n_cols, x_row_stride, dy_row_stride, dx_row_stride, tl.program_id(0), tl.num_programs(0), \
+        tl.program_id(1).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
@@ -262,8 +259,11 @@ def _rms_norm_bwd_kernel(
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
     # latency; the widest rows have no registers for it.
-    X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
-        X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
+    n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
+        n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -327,8 +327,11 @@ def _rms_norm_bwd_split_kernel(
     # forward's row kernel: no lanes idle at widths such as 3 x 1024. A kernel of its own: with one block this
     # form compiles to a slower schedule for the many-row narrow tiles (bf16 128 wide: 111 -> 134 us per
     # backward on the H200), so powers of two keep the plain tile kernel.
-    X, DY, DX, n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
-        X, DY, DX, n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
+    n_cols, x_row_stride, dy_row_stride, dx_row_stride, pid, num_programs, batch = _bwd_tile_start(
+        n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIGN, ONE_COL)
+    X += batch * n_rows * x_row_stride
+    DY += batch * n_rows * dy_row_stride
+    DX += batch * n_rows * dx_row_stride
     ws = ()
     dw_acc = ()
     for i in tl.static_range(SPLIT):
