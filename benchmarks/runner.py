@@ -167,8 +167,13 @@ def _feed(dst, src):
     return dst.at[0].set(jax.lax.optimization_barrier(src)[0].astype(dst.dtype))
 
 
-def jax_loop(fn, pass_: str, sets, consts):
-    """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input."""
+def jax_loop(fn, pass_: str, sets, consts, dependent: bool = False):
+    """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input.
+
+    fwd+bwd with `dependent`: the cotangent waits for this step's y (an optimization barrier over both), as
+    in a model, where it comes from the layers after this one. Without it XLA may fuse its forward and
+    backward into one pass over x (the cotangent, the previous y, is there from the start), which no
+    model step allows and torch's autograd never does (forward and backward are separate graphs)."""
     import jax
     import jax.numpy as jnp
 
@@ -198,6 +203,8 @@ def jax_loop(fn, pass_: str, sets, consts):
         out = []
         for args, cot in state:
             y, vjp = jax.vjp(lambda *a: fn(*a, *c), *args)
+            if dependent:
+                y, cot = jax.lax.optimization_barrier((y, cot))
             out.append((tuple(vjp(cot)), _feed(cot, y)))
         return tuple(out)
     return step, consts, tuple((tuple(jnp.copy(a) for a in args), jnp.copy(cot)) for args, cot in sets)
