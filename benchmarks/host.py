@@ -81,6 +81,9 @@ def _rms_entries(device: str):
     from torch_api.rms_norm import _Forward
 
     yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
+    xkern = RN.torch_impls(None)["xkern (torch)"]
+    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _kernels_empty(
+        lambda: torch.autograd.grad(xkern(xg, wg), (xg, wg), dy))
 
 
 def _backward_alone(fn, x, w, dy, kept: dict):
@@ -150,6 +153,28 @@ def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
                      wrap=lambda _: lambda arrays, device: empty(arrays[:1], device))
     return (f"floor: its {floor.launches} launch(es) empty, {floor.allocations} allocation(s)", "",
             functools.partial(floor, *inputs))
+
+
+def _kernels_empty(call):
+    """`call` with every eager launch of xkern replaced by one empty kernel launched the same way (its Python,
+    checks, autograd and allocations kept): with its real kernels beside it, what the kernels cost the host."""
+    from torch_api._launch import _Launcher
+    from xkern.launch import Launch
+
+    real = _Launcher.__call__
+    empty = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
+
+    def launch_empty(_, arrays, device):
+        real(empty, arrays[:1], device)
+
+    def run():
+        _Launcher.__call__ = launch_empty
+        try:
+            return call()
+        finally:
+            _Launcher.__call__ = real
+
+    return run
 
 
 def _floor_entries(device: str):

@@ -18,7 +18,15 @@ from helpers import DEVICE, rand, same_bits, to_numpy, to_torch
 import jax_api
 import torch_api
 from xkern import reference as R
-from xkern.permute import plan_gather_rows, plan_generate_indices, plan_inverse
+from xkern.permute import (
+    SEARCH_SLOTS,
+    inverse_recipe,
+    plan_gather_rows,
+    plan_generate_indices,
+    plan_inverse,
+    plan_scatter_inverse,
+    unpermute_recipe,
+)
 from xkern.testing import launch
 
 NAN_BITS = {"bfloat16": (np.uint16, 0x7FA5), "float16": (np.uint16, 0x7E05), "float32": (np.uint32, 0x7FC00123)}
@@ -269,6 +277,29 @@ def test_random_layouts(seed):
     assert all(same_bits(t, r) and same_bits(j, r) for r, t, j in zip(ref, got_t, got_j, strict=True))
 
 
+@pytest.mark.parametrize("max_len", [SEARCH_SLOTS, SEARCH_SLOTS + 1])
+def test_both_regimes_of_the_index_ops(max_len):
+    """unpermute_rows and inverse_permutation take one launch up to SEARCH_SLOTS slots and the scatter's two
+    above: both match the oracle (rows dropped past max_len included) in both front ends."""
+    counts = _rng("regimes").integers(500, 800, 8).astype(np.int32)  # ~5200 rows: more than max_len holds
+    idx, _, _ = R.generate_permute_indices(counts, 4, 2, max_len, 8)
+    n = int(counts.sum())
+    rng = _rng("regimes", max_len)
+    x, y = rand(rng, (n, 2), "bfloat16"), rand(rng, (max_len, 2), "bfloat16")
+    ref = (R.permute_rows(x, idx), R.unpermute_rows(y, idx, n), R.unpermute_rows(y, idx, n),
+           R.permute_rows(x, idx), R.inverse_permutation(idx, n))
+    assert (ref[4] < 0).any()
+    launches = 1 if max_len <= SEARCH_SLOTS else 2
+    assert len(unpermute_recipe(max_len, 2, n, "bfloat16", 2, "int32").steps) == launches
+    assert len(inverse_recipe(max_len, n, "int32").steps) == launches
+    got_t = _torch_run(idx, n, x, y, y, x)
+    got_j = _jax_run(idx, n, x, y, y, x)
+    for name, r, t, j in zip(("permute", "permute dx", "unpermute", "unpermute dy", "inverse"), ref, got_t, got_j,
+                             strict=True):
+        assert same_bits(t, r), f"torch {name}"
+        assert same_bits(j, r), f"jax {name}"
+
+
 def test_zero_tokens():
     counts = np.zeros(6, np.int32)
     idx, sizes, offsets = torch_api.generate_permute_indices(to_torch(counts), 3, 2, 30, 8)
@@ -412,7 +443,7 @@ def test_every_output_element_is_written():
                n_cols=hidden, n_src_rows=n, src_row_stride=hidden)
         assert same_bits(out, R.permute_rows(x, idx_np))
     # inverse: the scatter's scratch holds garbage, some of it naming valid slots of other rows
-    scatter, settle = plan_inverse(max_len, n)
+    scatter, settle = plan_scatter_inverse(max_len), plan_inverse(SEARCH_SLOTS + 1, n)[1]
     for fill_value in (-1, 0, 3, 2**30):
         raw = torch.full((n,), fill_value, dtype=torch.int32, device=DEVICE)
         inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
@@ -420,6 +451,17 @@ def test_every_output_element_is_written():
         launch(settle, idx, raw, inv, n_slots=max_len, n_rows=n)
         assert same_bits(inv, R.inverse_permutation(idx_np, n))
         assert (inv < 0).any()  # the "short" layout drops rows: they must read -1, whatever raw held
+    # the one-launch forms (`searches`): every output poisoned, dropped rows included
+    (search,) = plan_inverse(max_len, n)
+    inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
+    launch(search, idx, inv, n_slots=max_len, n_rows=n)
+    assert same_bits(inv, R.inverse_permutation(idx_np, n))
+    for dtype, hidden in (("bfloat16", 1025), ("float32", 5)):
+        y = rand(_rng("poison-unpermute", dtype), (max_len, hidden), dtype)
+        out = torch.full((n, hidden), float("nan"), dtype=to_torch(y).dtype, device=DEVICE)
+        launch(plan_gather_rows(n, hidden, out.element_size(), search=True), to_torch(y), idx, out, n_rows=n,
+               n_cols=hidden, n_src_rows=max_len, src_row_stride=hidden)
+        assert same_bits(out, R.unpermute_rows(y, idx_np, n))
 
 
 def test_strided_views_read_in_place():

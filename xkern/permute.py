@@ -20,6 +20,9 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
                            and permute_rows's backward, two launches (scatter, gather) with the settle
                            folded into the gather.
+  _inverse_search_kernel, _unpermute_search_kernel  the same two ops in one launch for up to SEARCH_SLOTS
+                           slots (`searches`): each program finds its rows' slots by scanning all of idx
+                           (work rows x slots; saves a launch where the call is host-bound).
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
 """
@@ -122,6 +125,46 @@ def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _find_slots(IDX, rows, n_slots, BLOCK_S: tl.constexpr):
+    # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
+    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`searches`), where it saves
+    # the scatter's launch.
+    rows = rows.to(tl.int64)
+    found = rows * 0 - 1
+    for start in range(0, n_slots, BLOCK_S):
+        slots = start + tl.arange(0, BLOCK_S)
+        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1).to(tl.int64)
+        hit = named[None, :] == rows[:, None]
+        found = tl.maximum(found, tl.max(tl.where(hit, slots.to(tl.int64)[None, :], -1), axis=1))
+    return found
+
+
+@triton.jit
+def _inverse_search_kernel(IDX, n_slots, n_rows, INV, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    found = _find_slots(IDX, rows, n_slots, BLOCK_S)
+    tl.store(INV + rows, found.to(INV.dtype.element_ty), mask=rows < n_rows)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
+def _unpermute_search_kernel(
+    SRC, IDX,
+    n_rows, n_cols, n_src_rows, src_row_stride,
+    OUT,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # unpermute_rows in one launch for small problems: each program finds its rows' slots by scanning IDX
+    # (SRC has one row per slot: n_src_rows == len(IDX)), then gathers them.
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    slot = _find_slots(IDX, rows, n_src_rows, BLOCK_S)
+    _copy_rows(SRC, OUT, slot, rows, row_mask, row_mask & (slot >= 0), n_cols, src_row_stride, BLOCK_H)
+
+
+@triton.jit
 def _expert_sizes_kernel(
     COUNTS,
     n_experts, n_ranks, alignment,
@@ -191,31 +234,54 @@ ROW_CHUNK_BYTES = 2048  # columns per inner-loop step: 1024 bf16, 512 fp32 (7168
 TILE_BYTES = 16384      # bytes per loop step: 8 rows x 1024 bf16; 8 warps move 4 16-byte vectors a thread
 MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
+SEARCH_SLOTS = 4096     # `searches`: at most this many slots, one launch scanning them all per program
+SEARCH_PAIRS = 8192     # (row, slot) pairs compared per step of that scan
+SEARCH_ROWS = 128       # rows per program of the inverse's search
+
+
+def searches(n_slots: int) -> bool:
+    """The index ops' regime rule: up to SEARCH_SLOTS slots (decode steps, small batches: host-bound calls)
+    inverse_permutation and unpermute_rows take one launch whose programs each scan every slot; above it
+    (device-bound) the scatter, then the settle or the settled gather: two launches, linear work."""
+    return n_slots <= SEARCH_SLOTS
 
 
 def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None,
-                     settled: bool = False) -> Launch:
+                     settled: bool = False, search: bool = False) -> Launch:
     """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
 
     Arrays `(src, idx, out)`, or with `settled` `(src, raw, idx, out)` (unpermute's gather through the raw
-    scatter); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
+    scatter); with `search` `(src, idx, out)` is unpermute's whole gather, `out[r] = src[slot naming r]`
+    (`searches`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
     src's last dim contiguous (its row stride defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
-    return Launch(_gather_settled_rows_kernel if settled else _gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),),
-                  num_warps,
-                  {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h})
+    constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
+    if search:
+        kernel = _unpermute_search_kernel
+        constexprs["BLOCK_S"] = max(16, min(1024, SEARCH_PAIRS // block_m))
+    else:
+        kernel = _gather_settled_rows_kernel if settled else _gather_rows_kernel
+    return Launch(kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
 
 
-def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, Launch]:
-    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows.
+def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
+    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows; or, when
+    `searches(n_slots)`, the one search launch.
 
-    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, both with `n_slots, n_rows`."""
-    scatter = Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
-    settle = Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
-    return scatter, settle
+    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, search `(idx, inv)`, all with
+    `n_slots, n_rows`."""
+    if searches(n_slots):
+        return (Launch(_inverse_search_kernel, (max(1, cdiv(n_rows, SEARCH_ROWS)),), 4,
+                       {"BLOCK": SEARCH_ROWS, "BLOCK_S": SEARCH_PAIRS // SEARCH_ROWS}),)
+    return plan_scatter_inverse(n_slots), \
+        Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
+
+
+def plan_scatter_inverse(n_slots: int) -> Launch:
+    return Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
 
 def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, Launch]:
@@ -248,6 +314,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                 continue
             seen.add(key)
             settled = plan_gather_rows(1024, 1 << log_cols, elem_size, settled=True)
+            search = plan_gather_rows(1024, 1 << log_cols, elem_size, search=True)
             for dtype in dtypes:
                 for index in ("*i32", "*i64"):
                     sig = {"SRC": dtype, "IDX": index, "OUT": dtype, "n_rows": "i32", "n_cols": "i32",
@@ -255,12 +322,16 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                            "BLOCK_H": "constexpr"}
                     variants.append((plan, sig))
                     variants.append((settled, {**sig, "RAW": index}))
+                    variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
     for index in ("*i32", "*i64"):
-        scatter, settle = plan_inverse(4096, 4096)
+        scatter, settle = plan_inverse(SEARCH_SLOTS + 1, 4096)
+        (search,) = plan_inverse(SEARCH_SLOTS, 4096)
         variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
                                    "BLOCK": "constexpr"}))
         variants.append((settle, {"IDX": index, "RAW": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr"}))
+        variants.append((search, {"IDX": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
+                                  "BLOCK": "constexpr", "BLOCK_S": "constexpr"}))
     for experts, ranks in ((1, 1), (8, 1), (4, 64), (32, 8), (256, 1)):
         sizes, fill = plan_generate_indices(experts, ranks, 65536)
         for counts in ("*i32", "*i64"):
@@ -327,27 +398,30 @@ def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
 
 
 def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
-                  src_row_stride: int, raw: str | None = None) -> tuple[Step, ...]:
-    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather)."""
+                  src_row_stride: int, raw: str | None = None, search: bool = False) -> tuple[Step, ...]:
+    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather);
+    with `search`, unpermute's one-launch form."""
     if n_out * n_cols == 0 or n_src_rows == 0:  # nothing to read: every row is a zero row
         return (Step(None, (), (Buffer(out, (n_out, n_cols), dtype, fill=0),)),)
-    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None)
+    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None, search=search)
     return (Step(plan, (src, idx) if raw is None else (src, raw, idx), (Buffer(out, (n_out, n_cols), dtype),),
                  dict(n_rows=n_out, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride)),)
 
 
 def _scatter_step(idx: str, n_slots: int, num_rows: int, index_dtype: str) -> Step:
-    scatter, _ = plan_inverse(n_slots, num_rows)
-    return Step(scatter, (idx,), (Buffer("raw", (num_rows,), index_dtype),), dict(n_slots=n_slots, n_rows=num_rows))
+    return Step(plan_scatter_inverse(n_slots), (idx,), (Buffer("raw", (num_rows,), index_dtype),),
+                dict(n_slots=n_slots, n_rows=num_rows))
 
 
 def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype: str) -> tuple[Step, ...]:
     if num_rows == 0 or n_slots == 0:  # no slot names any row
         return (Step(None, (), (Buffer(inv, (num_rows,), index_dtype, fill=-1),)),)
-    _, settle = plan_inverse(n_slots, num_rows)
-    return (_scatter_step(idx, n_slots, num_rows, index_dtype),
-            Step(settle, (idx, "raw"), (Buffer(inv, (num_rows,), index_dtype),),
-                 dict(n_slots=n_slots, n_rows=num_rows)))
+    *scatter, last = plan_inverse(n_slots, num_rows)
+    out = (Buffer(inv, (num_rows,), index_dtype),)
+    scalars = dict(n_slots=n_slots, n_rows=num_rows)
+    if not scatter:  # the search: one launch
+        return (Step(last, (idx,), out, scalars),)
+    return (_scatter_step(idx, n_slots, num_rows, index_dtype), Step(last, (idx, "raw"), out, scalars))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -369,8 +443,12 @@ def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
-    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there)."""
+    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there); or,
+    when `searches(n_slots)`, one launch."""
     check_gather_sizes(n_slots, num_rows)
+    if searches(n_slots):
+        return Recipe(_gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride,
+                                    search=True), ("out",))
     gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, raw="raw")
     if gather[0].launch is None:  # nothing to read: zero rows, no scatter
         return Recipe(gather, ("out",))
