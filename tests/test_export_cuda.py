@@ -15,7 +15,8 @@ import zlib
 from pathlib import Path
 
 # Each case: the kernels of the `triton_kernel_call`s its exported module must hold, one entry per call.
-GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_scatter_inverse_kernel", "_settle_inverse_kernel"]
+# 16 slots: the inverse is the one-launch search (`xkern.permute.searches`), then the gather
+GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_inverse_search_kernel"]
 EXPECTED = {
     "rms_norm bf16": ["_rms_norm_fwd_row_kernel"],
     "rms_norm fp16 x, fp32 w": ["_rms_norm_fwd_kernel"],
