@@ -19,7 +19,8 @@ import jax_api
 import torch_api
 from xkern import reference as R
 from xkern.permute import (
-    SEARCH_SLOTS,
+    ONE_LAUNCH_SLOTS,
+    generate_recipe,
     inverse_recipe,
     plan_gather_rows,
     plan_generate_indices,
@@ -277,10 +278,10 @@ def test_random_layouts(seed):
     assert all(same_bits(t, r) and same_bits(j, r) for r, t, j in zip(ref, got_t, got_j, strict=True))
 
 
-@pytest.mark.parametrize("max_len", [SEARCH_SLOTS, SEARCH_SLOTS + 1])
+@pytest.mark.parametrize("max_len", [ONE_LAUNCH_SLOTS, ONE_LAUNCH_SLOTS + 1])
 def test_both_regimes_of_the_index_ops(max_len):
-    """unpermute_rows and inverse_permutation take one launch up to SEARCH_SLOTS slots and the scatter's two
-    above: both match the oracle (rows dropped past max_len included) in both front ends."""
+    """generate_permute_indices, unpermute_rows and inverse_permutation take one launch up to ONE_LAUNCH_SLOTS
+    slots and two above: both match the oracle (rows dropped past max_len included) in both front ends."""
     counts = _rng("regimes").integers(500, 800, 8).astype(np.int32)  # ~5200 rows: more than max_len holds
     idx, _, _ = R.generate_permute_indices(counts, 4, 2, max_len, 8)
     n = int(counts.sum())
@@ -289,9 +290,14 @@ def test_both_regimes_of_the_index_ops(max_len):
     ref = (R.permute_rows(x, idx), R.unpermute_rows(y, idx, n), R.unpermute_rows(y, idx, n),
            R.permute_rows(x, idx), R.inverse_permutation(idx, n))
     assert (ref[4] < 0).any()
-    launches = 1 if max_len <= SEARCH_SLOTS else 2
+    launches = 1 if max_len <= ONE_LAUNCH_SLOTS else 2
     assert len(unpermute_recipe(max_len, 2, n, "bfloat16", 2, "int32").steps) == launches
     assert len(inverse_recipe(max_len, n, "int32").steps) == launches
+    ref_g = R.generate_permute_indices(counts, 4, 2, max_len, 8)
+    got_g = (torch_api.generate_permute_indices(to_torch(counts), 4, 2, max_len, 8),
+             jax_api.generate_permute_indices(jnp.asarray(counts), 4, 2, max_len, 8))
+    assert all(same_bits(g, r) for got in got_g for g, r in zip(got, ref_g, strict=True))
+    assert len(generate_recipe(4, 2, max_len, 8).steps) == launches
     got_t = _torch_run(idx, n, x, y, y, x)
     got_j = _jax_run(idx, n, x, y, y, x)
     for name, r, t, j in zip(("permute", "permute dx", "unpermute", "unpermute dy", "inverse"), ref, got_t, got_j,
@@ -426,14 +432,20 @@ def test_every_output_element_is_written():
     counts, max_len = _layout(layout, *layout)
     idx_np, sizes_np, offsets_np = R.generate_permute_indices(counts, experts, ranks, max_len, alignment)
     n = int(counts.sum())
-    # generate: every output poisoned
-    sizes, fill = plan_generate_indices(experts, ranks, max_len)
+    # generate: every output poisoned, in one launch (up to ONE_LAUNCH_SLOTS slots) and in two
     tc = to_torch(counts.astype(np.int32))
-    outs = [torch.full((k,), -7, dtype=torch.int32, device=DEVICE)
-            for k in (experts, experts, len(counts), len(counts), max_len)]
-    launch(sizes, tc, *outs[:4], n_experts=experts, n_ranks=ranks, alignment=alignment)
-    launch(fill, tc, *outs, max_len=max_len, n_experts=experts, n_ranks=ranks)
-    assert same_bits(outs[4], idx_np) and same_bits(outs[0], sizes_np) and same_bits(outs[1], offsets_np)
+    scalars = dict(n_experts=experts, n_ranks=ranks, alignment=alignment, max_len=max_len)
+    (one,), (sizes, fill) = plan_generate_indices(experts, ranks, max_len), plan_generate_indices(
+        experts, ranks, ONE_LAUNCH_SLOTS + 1)
+    for launches in ((one,), (sizes, fill)):
+        outs = [torch.full((k,), -7, dtype=torch.int32, device=DEVICE)
+                for k in (experts, experts, len(counts), len(counts), max_len)]
+        if launches == (one,):
+            launch(one, tc, *outs, **scalars)
+        else:
+            launch(sizes, tc, *outs[:4], **scalars)
+            launch(fill, tc, *outs, **scalars)  # planned for more slots: its extra programs store nothing
+        assert same_bits(outs[4], idx_np) and same_bits(outs[0], sizes_np) and same_bits(outs[1], offsets_np)
     # gather: NaN-filled output, zero rows included
     idx = to_torch(idx_np)
     for dtype, hidden in (("bfloat16", 1025), ("float32", 5)):
@@ -443,7 +455,7 @@ def test_every_output_element_is_written():
                n_cols=hidden, n_src_rows=n, src_row_stride=hidden)
         assert same_bits(out, R.permute_rows(x, idx_np))
     # inverse: the scatter's scratch holds garbage, some of it naming valid slots of other rows
-    scatter, settle = plan_scatter_inverse(max_len), plan_inverse(SEARCH_SLOTS + 1, n)[1]
+    scatter, settle = plan_scatter_inverse(max_len), plan_inverse(ONE_LAUNCH_SLOTS + 1, n)[1]
     for fill_value in (-1, 0, 3, 2**30):
         raw = torch.full((n,), fill_value, dtype=torch.int32, device=DEVICE)
         inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
@@ -451,7 +463,7 @@ def test_every_output_element_is_written():
         launch(settle, idx, raw, inv, n_slots=max_len, n_rows=n)
         assert same_bits(inv, R.inverse_permutation(idx_np, n))
         assert (inv < 0).any()  # the "short" layout drops rows: they must read -1, whatever raw held
-    # the one-launch forms (`searches`): every output poisoned, dropped rows included
+    # the one-launch forms (`one_launch`): every output poisoned, dropped rows included
     (search,) = plan_inverse(max_len, n)
     inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
     launch(search, idx, inv, n_slots=max_len, n_rows=n)

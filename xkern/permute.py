@@ -20,11 +20,12 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
                            and permute_rows's backward, two launches (scatter, gather) with the settle
                            folded into the gather.
-  _inverse_search_kernel, _unpermute_search_kernel  the same two ops in one launch for up to SEARCH_SLOTS
-                           slots (`searches`): each program finds its rows' slots by scanning all of idx
+  _inverse_search_kernel, _unpermute_search_kernel  the same two ops in one launch for up to ONE_LAUNCH_SLOTS
+                           slots (`one_launch`): each program finds its rows' slots by scanning all of idx
                            (work rows x slots; saves a launch where the call is host-bound).
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
+  _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
 @triton.jit
 def _find_slots(IDX, rows, n_slots, BLOCK_S: tl.constexpr):
     # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
-    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`searches`), where it saves
+    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`one_launch`), where it saves
     # the scatter's launch.
     rows = rows.to(tl.int64)
     found = rows * 0 - 1
@@ -165,12 +166,8 @@ def _unpermute_search_kernel(
 
 
 @triton.jit
-def _expert_sizes_kernel(
-    COUNTS,
-    n_experts, n_ranks, alignment,
-    M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
-    BLOCK_E: tl.constexpr,
-):
+def _expert_tables(COUNTS, n_experts, n_ranks, alignment, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
+                   BLOCK_E: tl.constexpr):
     # ROW_START[r, e]: source row of the first token of (r, e). RANK_BEGIN[r, e]: where rank r's tokens
     # start inside expert e's block (ranks before r, summed). Both [n_ranks, n_experts] int32.
     e = tl.arange(0, BLOCK_E)
@@ -191,13 +188,18 @@ def _expert_sizes_kernel(
 
 
 @triton.jit
-def _fill_indices_kernel(
-    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
-    max_len, n_experts, n_ranks,
-    OUT,
-    BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
+def _expert_sizes_kernel(
+    COUNTS,
+    n_experts, n_ranks, alignment,
+    M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
+    BLOCK_E: tl.constexpr,
 ):
-    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    _expert_tables(COUNTS, n_experts, n_ranks, alignment, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, BLOCK_E)
+
+
+@triton.jit
+def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts, n_ranks, OUT,
+                BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr):
     # Expert of the slot: how many m_offsets are <= slot (n_experts past the last block). Upper-bound
     # binary search; STEPS_E = bit_length(n_experts) halvings always reach lo == hi.
     lo = tl.zeros([BLOCK_S], tl.int32)
@@ -227,6 +229,32 @@ def _fill_indices_kernel(
     tl.store(OUT + slots, tl.where(valid, src, -1), mask=slots < max_len)
 
 
+@triton.jit
+def _fill_indices_kernel(
+    COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN,
+    max_len, n_experts, n_ranks,
+    OUT,
+    BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
+):
+    _fill_slots(tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S), COUNTS, M_SIZES, M_OFFSETS, ROW_START,
+                RANK_BEGIN, max_len, n_experts, n_ranks, OUT, BLOCK_S, STEPS_E, STEPS_R)
+
+
+@triton.jit
+def _generate_one_kernel(
+    COUNTS,
+    n_experts, n_ranks, alignment, max_len,
+    M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, OUT,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
+):
+    # Both passes in one program, for up to ONE_LAUNCH_SLOTS slots (all of them in one block): the tables,
+    # a barrier (every thread of the program then sees them in global memory), the slots.
+    _expert_tables(COUNTS, n_experts, n_ranks, alignment, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, BLOCK_E)
+    tl.debug_barrier()
+    _fill_slots(tl.arange(0, BLOCK_S), COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts,
+                n_ranks, OUT, BLOCK_S, STEPS_E, STEPS_R)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch plans: fixed (no autotuning), from shapes and the element size only.
 
@@ -234,16 +262,17 @@ ROW_CHUNK_BYTES = 2048  # columns per inner-loop step: 1024 bf16, 512 fp32 (7168
 TILE_BYTES = 16384      # bytes per loop step: 8 rows x 1024 bf16; 8 warps move 4 16-byte vectors a thread
 MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
-SEARCH_SLOTS = 4096     # `searches`: at most this many slots, one launch scanning them all per program
-SEARCH_PAIRS = 8192     # (row, slot) pairs compared per step of that scan
+ONE_LAUNCH_SLOTS = 4096 # `one_launch`: at most this many slots, the index ops in one launch
+SEARCH_PAIRS = 8192     # (row, slot) pairs compared per step of the search kernels' scan
 SEARCH_ROWS = 128       # rows per program of the inverse's search
 
 
-def searches(n_slots: int) -> bool:
-    """The index ops' regime rule: up to SEARCH_SLOTS slots (decode steps, small batches: host-bound calls)
-    inverse_permutation and unpermute_rows take one launch whose programs each scan every slot; above it
-    (device-bound) the scatter, then the settle or the settled gather: two launches, linear work."""
-    return n_slots <= SEARCH_SLOTS
+def one_launch(n_slots: int) -> bool:
+    """The index ops' regime rule: up to ONE_LAUNCH_SLOTS slots (decode steps, small batches: host-bound
+    calls) inverse_permutation and unpermute_rows take one launch whose programs each scan every slot, and
+    generate_permute_indices one program for its tables and its slots; above it (device-bound) the scatter
+    then the settle or the settled gather, and the tables then the parallel fill: two launches each."""
+    return n_slots <= ONE_LAUNCH_SLOTS
 
 
 def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None,
@@ -252,7 +281,7 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
 
     Arrays `(src, idx, out)`, or with `settled` `(src, raw, idx, out)` (unpermute's gather through the raw
     scatter); with `search` `(src, idx, out)` is unpermute's whole gather, `out[r] = src[slot naming r]`
-    (`searches`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
+    (`one_launch`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
     src's last dim contiguous (its row stride defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
@@ -269,11 +298,11 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
 
 def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
     """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows; or, when
-    `searches(n_slots)`, the one search launch.
+    `one_launch(n_slots)`, the one search launch.
 
     Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, search `(idx, inv)`, all with
     `n_slots, n_rows`."""
-    if searches(n_slots):
+    if one_launch(n_slots):
         return (Launch(_inverse_search_kernel, (max(1, cdiv(n_rows, SEARCH_ROWS)),), 4,
                        {"BLOCK": SEARCH_ROWS, "BLOCK_S": SEARCH_PAIRS // SEARCH_ROWS}),)
     return plan_scatter_inverse(n_slots), \
@@ -284,17 +313,22 @@ def plan_scatter_inverse(n_slots: int) -> Launch:
     return Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
 
-def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, Launch]:
-    """The one-program size/offset pass and the per-slot fill.
+def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, ...]:
+    """The one-program size/offset pass and the per-slot fill; or, when `one_launch(max_len)`, both in one
+    program over every slot.
 
     Arrays: sizes `(counts, m_sizes, m_offsets, row_start, rank_begin)` with `n_experts, n_ranks,
     alignment`; fill `(counts, m_sizes, m_offsets, row_start, rank_begin, out)` with `max_len, n_experts,
-    n_ranks`. row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
+    n_ranks`; the one launch `(counts, m_sizes, m_offsets, row_start, rank_begin, out)` with all four.
+    row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
     block_e = next_pow2(experts_per_rank)
+    steps = {"STEPS_E": experts_per_rank.bit_length(), "STEPS_R": num_ranks.bit_length()}
+    if 0 < max_len and one_launch(max_len):
+        block_s = next_pow2(max_len)
+        return (Launch(_generate_one_kernel, (1,), max(4, min(16, block_s // 256)),
+                       {"BLOCK_E": block_e, "BLOCK_S": block_s, **steps}),)
     sizes = Launch(_expert_sizes_kernel, (1,), max(1, min(8, block_e // 256)), {"BLOCK_E": block_e})
-    fill = Launch(_fill_indices_kernel, (max(1, cdiv(max_len, INDEX_BLOCK)),), 4,
-                  {"BLOCK_S": INDEX_BLOCK, "STEPS_E": experts_per_rank.bit_length(),
-                   "STEPS_R": num_ranks.bit_length()})
+    fill = Launch(_fill_indices_kernel, (max(1, cdiv(max_len, INDEX_BLOCK)),), 4, {"BLOCK_S": INDEX_BLOCK, **steps})
     return sizes, fill
 
 
@@ -324,16 +358,24 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                     variants.append((settled, {**sig, "RAW": index}))
                     variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
     for index in ("*i32", "*i64"):
-        scatter, settle = plan_inverse(SEARCH_SLOTS + 1, 4096)
-        (search,) = plan_inverse(SEARCH_SLOTS, 4096)
+        scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
+        (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
         variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
                                    "BLOCK": "constexpr"}))
         variants.append((settle, {"IDX": index, "RAW": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr"}))
         variants.append((search, {"IDX": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr", "BLOCK_S": "constexpr"}))
+    tables = {"M_SIZES": "*i32", "M_OFFSETS": "*i32", "ROW_START": "*i32", "RANK_BEGIN": "*i32"}
     for experts, ranks in ((1, 1), (8, 1), (4, 64), (32, 8), (256, 1)):
         sizes, fill = plan_generate_indices(experts, ranks, 65536)
+        for max_len in (1, 100, ONE_LAUNCH_SLOTS):
+            (one,) = plan_generate_indices(experts, ranks, max_len)
+            for counts in ("*i32", "*i64"):
+                variants.append((one, {"COUNTS": counts, **tables, "OUT": "*i32", "n_experts": "i32",
+                                       "n_ranks": "i32", "alignment": "i32", "max_len": "i32",
+                                       "BLOCK_E": "constexpr", "BLOCK_S": "constexpr", "STEPS_E": "constexpr",
+                                       "STEPS_R": "constexpr"}))
         for counts in ("*i32", "*i64"):
             variants.append((sizes, {"COUNTS": counts, "M_SIZES": "*i32", "M_OFFSETS": "*i32",
                                      "ROW_START": "*i32", "RANK_BEGIN": "*i32", "n_experts": "i32",
@@ -444,9 +486,9 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
     n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there); or,
-    when `searches(n_slots)`, one launch."""
+    when `one_launch(n_slots)`, one launch."""
     check_gather_sizes(n_slots, num_rows)
-    if searches(n_slots):
+    if one_launch(n_slots):
         return Recipe(_gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride,
                                     search=True), ("out",))
     gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, raw="raw")
@@ -459,19 +501,24 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
 def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int) -> Recipe:
     """Input counts [num_ranks * experts_per_rank]; results permuted_indices [max_len], m_sizes and
     m_offsets [experts_per_rank], all int32."""
-    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
+    launches = plan_generate_indices(experts_per_rank, num_ranks, max_len)
     per_expert = (experts_per_rank,)
     table = (experts_per_rank * num_ranks,)
-    tables = ("counts", "m_sizes", "m_offsets", "row_start", "rank_begin")
-    steps = [Step(sizes, ("counts",), (Buffer("m_sizes", per_expert, "int32"), Buffer("m_offsets", per_expert, "int32"),
-                                       Buffer("row_start", table, "int32"), Buffer("rank_begin", table, "int32")),
-                  dict(n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment))]
+    tables = (Buffer("m_sizes", per_expert, "int32"), Buffer("m_offsets", per_expert, "int32"),
+              Buffer("row_start", table, "int32"), Buffer("rank_begin", table, "int32"))
+    scalars = dict(n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment)
+    idx = Buffer("idx", (max_len,), "int32")
+    results = ("idx", "m_sizes", "m_offsets")
+    if len(launches) == 1:  # one program: the tables, then the slots
+        return Recipe((Step(launches[0], ("counts",), (*tables, idx), dict(scalars, max_len=max_len)),), results)
+    sizes, fill = launches
+    steps = [Step(sizes, ("counts",), tables, scalars)]
     if max_len:
-        steps.append(Step(fill, tables, (Buffer("idx", (max_len,), "int32"),),
+        steps.append(Step(fill, ("counts", *(b.name for b in tables)), (idx,),
                           dict(max_len=max_len, n_experts=experts_per_rank, n_ranks=num_ranks)))
     else:
-        steps.append(Step(None, (), (Buffer("idx", (0,), "int32"),)))
-    return Recipe(tuple(steps), ("idx", "m_sizes", "m_offsets"))
+        steps.append(Step(None, (), (idx,)))
+    return Recipe(tuple(steps), results)
 
 
 # ---------------------------------------------------------------------------------------------------
