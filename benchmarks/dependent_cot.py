@@ -1,8 +1,9 @@
 """JAX forward + backward of RMSNorm with the cotangent available from the start (the previous step's y: the
-benchmark's fwd+bwd step) and with it waiting for this step's y (`runner.jax_loop(dependent=True)`, as in a
-model, where it comes from the layers after the norm): how much of XLA's lead at the widest rows comes from
-fusing its forward and backward into one pass over x, which a model's step does not allow. Device µs per
-step (one jitted loop), bf16, x of 2**26 elements.
+benchmark's fwd+bwd step until 2026-12-04) and with it waiting for this step's y (`runner.jax_loop
+(dependent=True)`, the benchmark's step since, as in a model, where it comes from the layers after the
+norm): how much of XLA's lead at the widest rows came from fusing its forward and backward into one pass
+over x, which a model's step does not allow. Device µs per step (one jitted loop), bf16, x of 2**26
+elements.
 
     python -m benchmarks.dependent_cot [--widths 65536,32768,4096] [--out DIR]
 """

@@ -163,7 +163,8 @@ def run(args) -> int:
             "torch": "CUDA graph of the pass (one call per rotated input set) replayed under triton do_bench, "
                      f"warmup {timing.WARMUP_MS} ms, rep {timing.REP_MS} ms, median, L2 flushed per replay",
             "jax": "n iterations inside one jitted lax.fori_loop (static trip count), each output fed into the "
-                   "next input; host wall time of the call / n, median of several",
+                   "next input; host wall time of the call / n, median of several; fwd+bwd: the cotangent "
+                   "(the previous y) waits for this step's y (optimization_barrier), as in a model",
             "rotation": f"input sets rotated until they add up to >= {timing.ROTATE_BYTES / 1e6:.0f} MB",
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },

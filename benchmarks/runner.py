@@ -8,7 +8,8 @@ maker, minimum bytes, oracle check and implementations; `run_case` does the rest
 3. time each pass of each implementation (`timing`): torch in CUDA graphs, JAX inside one jitted loop.
 
 Passes: `fwd` is the forward; `bwd` is `torch.autograd.grad` (JAX: the vjp) on a forward made beforehand;
-`fwd+bwd` is both (a training step). Implementations take `(*args, *consts)`: `args` are differentiable
+`fwd+bwd` is both (a training step; in JAX its cotangent waits for this step's y, as the layers after the op
+make it wait in a model: `jax_loop`). Implementations take `(*args, *consts)`: `args` are differentiable
 (x, weight), `consts` are not (indices), and each framework gets its own consts.
 """
 
@@ -167,13 +168,14 @@ def _feed(dst, src):
     return dst.at[0].set(jax.lax.optimization_barrier(src)[0].astype(dst.dtype))
 
 
-def jax_loop(fn, pass_: str, sets, consts, dependent: bool = False):
+def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
     """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input.
 
-    fwd+bwd with `dependent`: the cotangent waits for this step's y (an optimization barrier over both), as
-    in a model, where it comes from the layers after this one. Without it XLA may fuse its forward and
-    backward into one pass over x (the cotangent, the previous y, is there from the start), which no
-    model step allows and torch's autograd never does (forward and backward are separate graphs)."""
+    fwd+bwd with `dependent` (the default since 2026-12-04, session 14): the cotangent waits for this step's y
+    (an optimization barrier over both), as in a model, where it comes from the layers after this one.
+    Without it XLA may fuse its forward and backward into one pass over x (the cotangent, the previous y,
+    is there from the start), which no model step allows and torch's autograd never does (forward and
+    backward are separate graphs). xkern's steps time the same either way (`benchmarks.dependent_cot`)."""
     import jax
     import jax.numpy as jnp
 
