@@ -1,6 +1,6 @@
 """The main job: xkern checked against the FP64 oracle and timed against its peers on this machine.
 
-    python -m benchmarks.main [--quick | --sweep [--part K/N] | --smoke] [--only OP] [--out DIR] [--budget-s S]
+    python -m benchmarks.main [--quick | --sweep [--part K/N] | --host | --smoke] [--only OP] [--out DIR] [--budget-s S]
 
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
 step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
@@ -8,7 +8,8 @@ every case of every op (`benchmarks/runner.py`: each xkern result checked before
 `DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots generated from it, refreshes
 README's benchmarks section, and prints the tables last. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
-and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`).
+and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`). `--host`: the host-cost and
+block tables alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to the call path).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
 per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
@@ -118,6 +119,8 @@ def ops(only):
 def plan(args) -> tuple[str, list]:
     """(mode, [(op, case, timed)]) for the arguments on this machine. Without a GPU the validation cases are
     checked only, then the smoke cases run every timed path."""
+    if args.host:
+        return ("host" if GPU and not args.smoke else "host-smoke"), []
     if args.sweep:
         mode = "sweep" if GPU and not args.smoke else "sweep-smoke"
     else:
@@ -139,6 +142,8 @@ def output_stem(gpu: str, args) -> str:
         stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
     elif args.quick:
         stem += "-quick"
+    elif args.host:
+        stem += "-host"
     return stem + (f"-{args.only}" if args.only else "") + ("-smoke" if args.smoke or not GPU else "")
 
 
@@ -185,7 +190,7 @@ def run(args) -> int:
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
     log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
-    host_first = not mode.startswith("sweep") and args.only in (None, "rms_norm")
+    host_first = mode.startswith("host") or not mode.startswith("sweep") and args.only in (None, "rms_norm")
     est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
     log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
         f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
@@ -197,7 +202,8 @@ def run(args) -> int:
         save()
         results["block"] = host.block_table(device, log)
         save()
-        results["sharded"] = sharded.sharded_table(device, log)
+        if not mode.startswith("host"):
+            results["sharded"] = sharded.sharded_table(device, log)
     save()
 
     for i, (op, case, timed) in enumerate(work):
@@ -260,6 +266,8 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="a few shapes only")
     group.add_argument("--sweep", action="store_true", help="the RMSNorm width sweep (~12 min on an H200)")
+    group.add_argument("--host", action="store_true", help="the host-cost and block tables only (~2 min on an "
+                       "H200; to <gpu>-host.json)")
     parser.add_argument("--smoke", action="store_true", help="every benchmark path at tiny sizes, timings not "
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")

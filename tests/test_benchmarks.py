@@ -116,3 +116,19 @@ def test_kernels_empty_swaps_every_launch_and_restores():
     dx, _ = torch.autograd.grad(RN.xkern_torch(x, w), (x, w), dy)
     ref = torch.func.vjp(lambda a, b: RN.hf_rms_norm(a, b), x.float(), w.float())[1](dy.float())[0]
     assert torch.allclose(dx.float(), ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
+def test_host_tables_alone(tmp_path):
+    """`--host`: the host-cost and block tables only (a short device call after a call-path change)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.main", "--host", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*-host-smoke.json")
+    results = json.loads(path.read_text())
+    assert results["mode"] == "host-smoke" and not results["rows"] and not results["sharded"]
+    timed = {(r["op"], r["pass"], r["impl"]) for r in results["host"] if "wall_us" in r}
+    assert ("rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)") in timed
+    assert ("rms_norm", "fwd+bwd", "xkern (torch)") in timed
+    assert sum("wall_us" in b for b in results["block"]) == 4
