@@ -306,6 +306,22 @@ def test_both_regimes_of_the_index_ops(max_len):
         assert same_bits(j, r), f"jax {name}"
 
 
+def test_indices_naming_no_row_are_ignored():
+    """Without validate=True, an index that names no row (below -1, past num_rows, past int32 in int64) names
+    nothing: its slot is never read, the row it would name is -1 / a zero row (the search kernels compare in
+    int32 after mapping such indices to -1)."""
+    idx = np.array([0, 2**40, 1, -5, 2, 7], np.int64)
+    y = rand(_rng("naming-no-row"), (6, 8), "float32")
+    want_inv = np.array([0, 2, 4, -1], np.int64)
+    want_out = np.concatenate([y[[0, 2, 4]], np.zeros((1, 8), np.float32)])
+    ti = to_torch(idx)
+    assert torch.equal(torch_api.inverse_permutation(ti, 4).cpu(), torch.from_numpy(want_inv))
+    assert same_bits(torch_api.unpermute_rows(to_torch(y), ti, 4), want_out)
+    with jax.enable_x64(True):
+        assert np.array_equal(np.asarray(jax_api.inverse_permutation(jnp.asarray(idx), 4)), want_inv)
+        assert same_bits(jax_api.unpermute_rows(jnp.asarray(y), jnp.asarray(idx), 4), want_out)
+
+
 def test_zero_tokens():
     counts = np.zeros(6, np.int32)
     idx, sizes, offsets = torch_api.generate_permute_indices(to_torch(counts), 3, 2, 30, 8)

@@ -126,24 +126,25 @@ def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _find_slots(IDX, rows, n_slots, BLOCK_S: tl.constexpr):
+def _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S: tl.constexpr):
     # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
     # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`one_launch`), where it saves
-    # the scatter's launch.
-    rows = rows.to(tl.int64)
+    # the scatter's launch. In int32 (rows and slots fit it, check_gather_sizes): an index naming no row
+    # (-1, out of range, or past int32 in an int64 IDX) becomes -1 before the compares.
     found = rows * 0 - 1
     for start in range(0, n_slots, BLOCK_S):
         slots = start + tl.arange(0, BLOCK_S)
-        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1).to(tl.int64)
+        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1)
+        named = tl.where((named >= 0) & (named < n_rows), named, -1).to(tl.int32)
         hit = named[None, :] == rows[:, None]
-        found = tl.maximum(found, tl.max(tl.where(hit, slots.to(tl.int64)[None, :], -1), axis=1))
+        found = tl.maximum(found, tl.max(tl.where(hit, slots[None, :], -1), axis=1))
     return found
 
 
 @triton.jit
 def _inverse_search_kernel(IDX, n_slots, n_rows, INV, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    found = _find_slots(IDX, rows, n_slots, BLOCK_S)
+    found = _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S)
     tl.store(INV + rows, found.to(INV.dtype.element_ty), mask=rows < n_rows)
 
 
@@ -161,8 +162,8 @@ def _unpermute_search_kernel(
     src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
-    slot = _find_slots(IDX, rows, n_src_rows, BLOCK_S)
-    _copy_rows(SRC, OUT, slot, rows, row_mask, row_mask & (slot >= 0), n_cols, src_row_stride, BLOCK_H)
+    slot = _find_slots(IDX, rows, n_src_rows, n_rows, BLOCK_S)
+    _copy_rows(SRC, OUT, slot.to(tl.int64), rows, row_mask, row_mask & (slot >= 0), n_cols, src_row_stride, BLOCK_H)
 
 
 @triton.jit
@@ -263,8 +264,8 @@ TILE_BYTES = 16384      # bytes per loop step: 8 rows x 1024 bf16; 8 warps move 
 MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
 ONE_LAUNCH_SLOTS = 4096 # `one_launch`: at most this many slots, the index ops in one launch
-SEARCH_PAIRS = 8192     # (row, slot) pairs compared per step of the search kernels' scan
-SEARCH_ROWS = 128       # rows per program of the inverse's search
+SEARCH_PAIRS = 16       # (row, slot) pairs each thread compares per step of the search kernels' scan
+SEARCH_ROWS = 64        # rows per program of the search kernels (each program scans every slot)
 
 
 def one_launch(n_slots: int) -> bool:
@@ -287,13 +288,20 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
+    if search:  # fewer rows per program (each scans every slot), at least 4 warps for the scan
+        block_m, num_warps = min(block_m, SEARCH_ROWS), max(num_warps, 4)
     constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
     if search:
         kernel = _unpermute_search_kernel
-        constexprs["BLOCK_S"] = max(16, min(1024, SEARCH_PAIRS // block_m))
+        constexprs["BLOCK_S"] = _search_block(block_m, num_warps)
     else:
         kernel = _gather_settled_rows_kernel if settled else _gather_rows_kernel
     return Launch(kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+
+
+def _search_block(rows: int, num_warps: int) -> int:
+    """Slots per step of a search kernel's scan: SEARCH_PAIRS (row, slot) compares per thread."""
+    return min(1024, max(1, SEARCH_PAIRS * 32 * num_warps // rows))
 
 
 def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
@@ -304,7 +312,7 @@ def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
     `n_slots, n_rows`."""
     if one_launch(n_slots):
         return (Launch(_inverse_search_kernel, (max(1, cdiv(n_rows, SEARCH_ROWS)),), 4,
-                       {"BLOCK": SEARCH_ROWS, "BLOCK_S": SEARCH_PAIRS // SEARCH_ROWS}),)
+                       {"BLOCK": SEARCH_ROWS, "BLOCK_S": _search_block(SEARCH_ROWS, 4)}),)
     return plan_scatter_inverse(n_slots), \
         Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
