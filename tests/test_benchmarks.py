@@ -132,3 +132,17 @@ def test_host_tables_alone(tmp_path):
     assert ("rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)") in timed
     assert ("rms_norm", "fwd+bwd", "xkern (torch)") in timed
     assert sum("wall_us" in b for b in results["block"]) == 4
+
+
+def test_step_timeline_times_each_part():
+    """`benchmarks.step_timeline` (where an eager training step's host time goes): every part measured, the
+    backward timed from inside it and the Function's own backward restored afterwards."""
+    from benchmarks import step_timeline
+    from torch_api.rms_norm import _RMSNormFunction
+
+    real = _RMSNormFunction.__dict__["backward"]
+    for kind in ("xkern", "allocations only"):
+        got = step_timeline.timeline(kind, 3, "cpu", warmup=1)
+        assert set(got) == {"forward", "to backward", "backward", "after", "step"}
+        assert all(v > 0 for v in got.values()) and got["step"] >= got["backward"]
+    assert _RMSNormFunction.__dict__["backward"] is real
