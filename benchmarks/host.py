@@ -37,6 +37,15 @@ def _empty_kernel(X):
 
 
 @functools.cache
+def _empty_launcher():
+    """The empty kernel behind xkern's launcher (one pointer argument): the host floors' launch."""
+    from torch_api._launch import _Launcher
+    from xkern.launch import Launch
+
+    return _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
+
+
+@functools.cache
 def _empty_op():
     import torch
 
@@ -62,15 +71,22 @@ def _device_time(call) -> dict:
         return {"timing": error_status(err)}
 
 
-def _rms_entries(device: str):
+def rms_inputs(device: str):
+    """x, w, dy of the RMSNorm calls (HOST_ROWS, bf16, fixed seed), and x, w again as leaves that require grad."""
     import torch
 
     m, n = HOST_ROWS[device]
     gen = torch.Generator(device=device).manual_seed(7)
     x, dy = (torch.randn(m, n, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
-    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-    shape = f"x {m}×{n} bf16"
+    return x, w, dy, x.detach().requires_grad_(), w.detach().requires_grad_()
+
+
+def _rms_entries(device: str):
+    import torch
+
+    x, w, dy, xg, wg = rms_inputs(device)
+    shape = "x {}×{} bf16".format(*x.shape)
     for name, fn in RN.torch_impls(None).items():
         if not callable(fn):
             yield "rms_norm", "fwd", name, shape, fn
@@ -81,9 +97,8 @@ def _rms_entries(device: str):
     from torch_api.rms_norm import _Forward
 
     yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
-    xkern = RN.torch_impls(None)["xkern (torch)"]
     yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _kernels_empty(
-        lambda: torch.autograd.grad(xkern(xg, wg), (xg, wg), dy))
+        lambda: torch.autograd.grad(RN.xkern_torch(xg, wg), (xg, wg), dy))
 
 
 def _backward_alone(fn, x, w, dy, kept: dict):
@@ -145,10 +160,9 @@ def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
     """(impl, shape, call): `executor` with every kernel replaced by an empty one launched through xkern's
     launcher: the call's allocations and launches, none of its Python around them (checks, cache lookup,
     autograd) and no work on the device."""
-    from torch_api._launch import Executor, _Launcher
-    from xkern.launch import Launch
+    from torch_api._launch import Executor
 
-    empty = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
+    empty = _empty_launcher()
     floor = Executor(executor.recipe, executor.input_names, executor.shapes,
                      wrap=lambda _: lambda arrays, device: empty(arrays[:1], device))
     return (f"floor: its {floor.launches} launch(es) empty, {floor.allocations} allocation(s)", "",
@@ -159,10 +173,9 @@ def _kernels_empty(call):
     """`call` with every eager launch of xkern replaced by one empty kernel launched the same way (its Python,
     checks, autograd and allocations kept): with its real kernels beside it, what the kernels cost the host."""
     from torch_api._launch import _Launcher
-    from xkern.launch import Launch
 
     real = _Launcher.__call__
-    empty = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
+    empty = _empty_launcher()
 
     def launch_empty(_, arrays, device):
         real(empty, arrays[:1], device)
@@ -180,14 +193,11 @@ def _kernels_empty(call):
 def _floor_entries(device: str):
     import torch
 
-    from torch_api._launch import _Launcher
-    from xkern.launch import Launch
-
     x = torch.zeros(16, device=device)
     yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
     yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
     # The launch path xkern's eager calls take (a prebuilt argument list, Triton's C launcher).
-    launcher, index = _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {}), x.device.index
+    launcher, index = _empty_launcher(), x.device.index
     yield "floor", "fwd", "empty Triton kernel, xkern's launcher", "x 16 fp32", lambda: launcher([x], index)
     # What any Python-defined differentiable op of (x, w) pays in a torch.autograd.grad step before its own
     # work: the autograd.Function machinery and one allocation per result.

@@ -24,14 +24,10 @@ def timeline(step_kind: str, steps: int, device: str, warmup: int = 50) -> dict:
     import torch
 
     import torch_api
-    from benchmarks.host import HOST_ROWS, _alloc_only_function
+    from benchmarks.host import _alloc_only_function, rms_inputs
     from torch_api.rms_norm import _RMSNormFunction
 
-    m, n = HOST_ROWS[device]
-    gen = torch.Generator(device=device).manual_seed(7)
-    x, dy = (torch.randn(m, n, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
-    w = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
-    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    _, _, dy, xg, wg = rms_inputs(device)
     cls = _RMSNormFunction if step_kind == "xkern" else _alloc_only_function()
     f = (lambda: torch_api.rms_norm(xg, wg, 1e-6)) if step_kind == "xkern" else (lambda: cls.apply(xg, wg))
     marks = {}

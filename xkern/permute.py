@@ -20,9 +20,9 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
                            and permute_rows's backward, two launches (scatter, gather) with the settle
                            folded into the gather.
-  _inverse_search_kernel, _unpermute_search_kernel  the same two ops in one launch for up to ONE_LAUNCH_SLOTS
-                           slots (`one_launch`): each program finds its rows' slots by scanning all of idx
-                           (work rows x slots; saves a launch where the call is host-bound).
+  _inverse_search_kernel, and _gather_rows_kernel with BLOCK_S  the same two ops in one launch for up to
+                           ONE_LAUNCH_SLOTS slots (`one_launch`): each program finds its rows' slots by
+                           scanning all of idx (work rows x slots; saves a launch where the call is host-bound).
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
   _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
@@ -64,19 +64,38 @@ def _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK
         tl.store(out_ptr + cols[None, :], vals, mask=row_mask[:, None] & col_mask)
 
 
+@triton.jit
+def _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S: tl.constexpr):
+    # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
+    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`one_launch`), where it saves
+    # the scatter's launch. In int32 (rows and slots fit it, check_gather_sizes): an index naming no row
+    # (-1, out of range, or past int32 in an int64 IDX) becomes -1 before the compares.
+    found = rows * 0 - 1
+    for start in range(0, n_slots, BLOCK_S):
+        slots = start + tl.arange(0, BLOCK_S)
+        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1)
+        named = tl.where((named >= 0) & (named < n_rows), named, -1).to(tl.int32)
+        hit = named[None, :] == rows[:, None]
+        found = tl.maximum(found, tl.max(tl.where(hit, slots[None, :], -1), axis=1))
+    return found
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
 def _gather_rows_kernel(
     SRC, IDX,
     n_rows, n_cols, n_src_rows, src_row_stride,
     OUT,
     ROW_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN  # the plan's alignment made visible: 16-byte accesses
     src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
-    src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
+    if BLOCK_S:  # unpermute_rows in one launch (`one_launch`): row r reads the slot naming it (SRC: a row per slot)
+        src = _find_slots(IDX, rows, n_src_rows, n_rows, BLOCK_S).to(tl.int64)
+    else:
+        src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
     # -1 is padding; an out-of-range index (possible only without validate=True) also gives a zero row.
     hit = (src >= 0) & (src < n_src_rows)
     _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
@@ -126,44 +145,10 @@ def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S: tl.constexpr):
-    # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
-    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`one_launch`), where it saves
-    # the scatter's launch. In int32 (rows and slots fit it, check_gather_sizes): an index naming no row
-    # (-1, out of range, or past int32 in an int64 IDX) becomes -1 before the compares.
-    found = rows * 0 - 1
-    for start in range(0, n_slots, BLOCK_S):
-        slots = start + tl.arange(0, BLOCK_S)
-        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1)
-        named = tl.where((named >= 0) & (named < n_rows), named, -1).to(tl.int32)
-        hit = named[None, :] == rows[:, None]
-        found = tl.maximum(found, tl.max(tl.where(hit, slots[None, :], -1), axis=1))
-    return found
-
-
-@triton.jit
 def _inverse_search_kernel(IDX, n_slots, n_rows, INV, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     found = _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S)
     tl.store(INV + rows, found.to(INV.dtype.element_ty), mask=rows < n_rows)
-
-
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
-def _unpermute_search_kernel(
-    SRC, IDX,
-    n_rows, n_cols, n_src_rows, src_row_stride,
-    OUT,
-    ROW_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    # unpermute_rows in one launch for small problems: each program finds its rows' slots by scanning IDX
-    # (SRC has one row per slot: n_src_rows == len(IDX)), then gathers them.
-    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
-    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    slot = _find_slots(IDX, rows, n_src_rows, n_rows, BLOCK_S)
-    _copy_rows(SRC, OUT, slot.to(tl.int64), rows, row_mask, row_mask & (slot >= 0), n_cols, src_row_stride, BLOCK_H)
 
 
 @triton.jit
@@ -288,15 +273,13 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
+    constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
+    if settled:
+        return Launch(_gather_settled_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
     if search:  # fewer rows per program (each scans every slot), at least 4 warps for the scan
         block_m, num_warps = min(block_m, SEARCH_ROWS), max(num_warps, 4)
-    constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
-    if search:
-        kernel = _unpermute_search_kernel
-        constexprs["BLOCK_S"] = _search_block(block_m, num_warps)
-    else:
-        kernel = _gather_settled_rows_kernel if settled else _gather_rows_kernel
-    return Launch(kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+    constexprs.update(BLOCK_M=block_m, BLOCK_S=_search_block(block_m, num_warps) if search else 0)
+    return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
 
 
 def _search_block(rows: int, num_warps: int) -> int:
