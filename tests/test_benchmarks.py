@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import DEVICE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,9 +99,9 @@ def test_kernels_empty_swaps_every_launch_and_restores():
     from torch_api._launch import _Launcher
 
     real = _Launcher.__call__
-    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(3, 64, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    dy = torch.randn(3, 64, dtype=torch.bfloat16, device=DEVICE)
     launched = []
 
     def count(self, arrays, device):
@@ -142,7 +144,7 @@ def test_step_timeline_times_each_part():
 
     real = _RMSNormFunction.__dict__["backward"]
     for kind in ("xkern", "allocations only"):
-        got = step_timeline.timeline(kind, 3, "cpu", warmup=1)
+        got = step_timeline.timeline(kind, 3, DEVICE, warmup=1)
         assert set(got) == {"forward", "to backward", "backward", "after", "step"}
         assert all(v > 0 for v in got.values()) and got["step"] >= got["backward"]
     assert _RMSNormFunction.__dict__["backward"] is real
