@@ -3,6 +3,7 @@
 allocates (the host table's floor), each backward timed from inside. On CUDA the engine runs a backward on
 its device thread, which cProfile of the calling thread cannot see. Per step (median µs):
 
+    release       dropping the previous step's y, and with it that step's graph (its node, saved tensors)
     forward       the call of f
     to backward   from calling torch.autograd.grad to the backward's first line (the engine's handoff)
     backward      the backward's body (xkern: checks, cache lookup, allocations, launches)
@@ -41,20 +42,24 @@ def timeline(step_kind: str, steps: int, device: str, warmup: int = 50) -> dict:
 
     cls.backward = staticmethod(timed_backward)
     rows = []
+    y = None
     try:
         for i in range(steps + warmup):
+            t_release = time.perf_counter_ns()
+            y = None
             t0 = time.perf_counter_ns()
             y = f()
             t1 = time.perf_counter_ns()
             torch.autograd.grad(y, (xg, wg), dy)
             t2 = time.perf_counter_ns()
             if i >= warmup:
-                rows.append((t1 - t0, marks["enter"] - t1, marks["exit"] - marks["enter"], t2 - marks["exit"], t2 - t0))
+                rows.append((t0 - t_release, t1 - t0, marks["enter"] - t1, marks["exit"] - marks["enter"],
+                             t2 - marks["exit"], t2 - t_release))
     finally:
         cls.backward = real
     if device == "cuda":
         torch.cuda.synchronize()
-    names = ("forward", "to backward", "backward", "after", "step")
+    names = ("release", "forward", "to backward", "backward", "after", "step")
     return {k: statistics.median(r[i] for r in rows) / 1e3 for i, k in enumerate(names)}
 
 

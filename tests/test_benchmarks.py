@@ -144,7 +144,7 @@ def test_step_timeline_times_each_part():
     real = _RMSNormFunction.__dict__["backward"]
     for kind in ("xkern", "allocations only"):
         got = step_timeline.timeline(kind, 3, DEVICE, warmup=1)
-        assert set(got) == {"forward", "to backward", "backward", "after", "step"}
+        assert set(got) == {"release", "forward", "to backward", "backward", "after", "step"}
         assert all(v > 0 for v in got.values()) and got["step"] >= got["backward"]
     assert _RMSNormFunction.__dict__["backward"] is real
 
