@@ -63,9 +63,20 @@ def _sync(device: str):
 
 
 def _device_time(call) -> dict:
-    """Device time of one call, in a CUDA graph (`timing.torch_device_us`)."""
+    """Device time of one call, in a CUDA graph (`timing.torch_device_us`); a grad call's leaves renewed on
+    the capture stream first (`_Leaves`). Where the capture fails there is no device time (an eager timing
+    would be the host's)."""
+    leaves = getattr(call, "leaves", None)
+
+    def make():
+        if leaves is not None:
+            leaves.renew()
+        return [call]
+
     try:
-        us, how = timing.torch_device_us(lambda: [call])
+        us, how = timing.torch_device_us(make)
+        if how.startswith("do_bench of eager calls"):
+            return {"timing": how}
         return {"device_us": us, "timing": how}
     except Exception as err:  # noqa: BLE001 - one failing entry must not lose the table
         return {"timing": error_status(err)}
@@ -82,32 +93,56 @@ def rms_inputs(device: str):
     return x, w, dy, x.detach().requires_grad_(), w.detach().requires_grad_()
 
 
+class _Leaves:
+    """x and w as the leaves the grad calls differentiate, renewable: a CUDA graph capture needs leaves (and
+    their AccumulateGrad nodes) made on its own stream. With the timed loop's leaves, made on the default
+    stream, the engine synchronized with that stream and every grad row's capture failed (2026-12-04: the
+    table then showed eager times as device times)."""
+
+    def __init__(self, x, w):
+        self.x, self.w, self.generation = x, w, 0
+
+    def renew(self) -> None:
+        self.x, self.w = self.x.detach().requires_grad_(), self.w.detach().requires_grad_()
+        self.generation += 1
+
+
+def _grad_call(call, leaves: _Leaves):
+    call.leaves = leaves  # for `_device_time`
+    return call
+
+
 def _rms_entries(device: str):
     import torch
 
     x, w, dy, xg, wg = rms_inputs(device)
+    leaves = _Leaves(xg, wg)
     shape = "x {}×{} bf16".format(*x.shape)
     for name, fn in RN.torch_impls(None).items():
         if not callable(fn):
             yield "rms_norm", "fwd", name, shape, fn
             continue
         yield "rms_norm", "fwd", name, shape, functools.partial(fn, x, w)
-        yield "rms_norm", "fwd+bwd", name, shape, lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
-        yield "rms_norm", "bwd", name, shape, functools.partial(_backward_alone, fn, xg, wg, dy, {})
+        yield "rms_norm", "fwd+bwd", name, shape, _grad_call(
+            lambda fn=fn: torch.autograd.grad(fn(leaves.x, leaves.w), (leaves.x, leaves.w), dy), leaves)
+        yield "rms_norm", "bwd", name, shape, _grad_call(
+            functools.partial(_backward_alone, fn, leaves, dy, {}), leaves)
     from torch_api.rms_norm import _Forward
 
     yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
-    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _kernels_empty(
-        lambda: torch.autograd.grad(RN.xkern_torch(xg, wg), (xg, wg), dy))
+    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _grad_call(
+        _kernels_empty(lambda: torch.autograd.grad(RN.xkern_torch(leaves.x, leaves.w), (leaves.x, leaves.w), dy)),
+        leaves)
 
 
-def _backward_alone(fn, x, w, dy, kept: dict):
-    """The backward's share of a step: torch.autograd.grad through one forward, made on the first call."""
+def _backward_alone(fn, leaves: _Leaves, dy, kept: dict):
+    """The backward's share of a step: torch.autograd.grad through one forward, made on the first call with
+    these leaves."""
     import torch
 
-    if "y" not in kept:
-        kept["y"] = fn(x, w)
-    return torch.autograd.grad(kept["y"], (x, w), dy, retain_graph=True)
+    if kept.get("generation") != leaves.generation:
+        kept["y"], kept["generation"] = fn(leaves.x, leaves.w), leaves.generation
+    return torch.autograd.grad(kept["y"], (leaves.x, leaves.w), dy, retain_graph=True)
 
 
 def _gather_entries(device: str):
@@ -244,12 +279,7 @@ def host_table(device: str, log) -> list[dict]:
             continue
         rows[i]["wall_us"], rows[i]["issue_us"] = got
         if rows[i]["op"] != "floor":
-            call = calls[i]
-            if isinstance(call, functools.partial) and call.func is _backward_alone:
-                # a forward of its own, made on the capture's stream (the timed loop's ran on the default
-                # stream; autograd replays a backward on its forward's stream)
-                call = functools.partial(_backward_alone, *call.args[:4], {})
-            rows[i].update(_device_time(call))
+            rows[i].update(_device_time(calls[i]))
     ok = [r for r in rows if "wall_us" in r and r["impl"].startswith("xkern")]
     log("host overhead (wall µs per call): " + ", ".join(f"{r['op']} {r['pass']} {r['wall_us']:.1f}" for r in ok))
     return rows

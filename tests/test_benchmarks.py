@@ -167,3 +167,28 @@ def test_index_threshold_times_both_regimes():
     assert all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
     assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("two launches", 2)}
     assert "| unpermute_rows |" in index_threshold.table(rows)
+
+
+def test_host_grad_rows_time_the_device_on_fresh_leaves(monkeypatch):
+    """The host table's grad rows: device time on leaves renewed on the capture stream (the timed loop's
+    leaves made every capture fail on the GPU), and no device time where the capture fails."""
+    from benchmarks import host, timing
+
+    timing.set_smoke(True)
+    try:
+        entries = {(op, pass_, impl): call for op, pass_, impl, _, call in host._rms_entries(DEVICE)
+                   if impl in ("xkern (torch)", "F.rms_norm")}
+        call = entries[("rms_norm", "bwd", "xkern (torch)")]
+        leaves = call.leaves
+        old_x, generation = leaves.x, leaves.generation
+        dx, dw = call()
+        got = host._device_time(call)
+        assert leaves.generation == generation + 1 and leaves.x is not old_x and leaves.x.requires_grad
+        assert got["device_us"] > 0
+        assert torch.equal(call()[0], dx)  # the same backward on the new leaves (a forward of their own)
+        fwd_bwd = entries[("rms_norm", "fwd+bwd", "F.rms_norm")]
+        assert fwd_bwd.leaves is leaves
+        monkeypatch.setattr(timing, "torch_device_us", lambda make: (make(), (123.0, "do_bench of eager calls (x)"))[1])
+        assert host._device_time(fwd_bwd) == {"timing": "do_bench of eager calls (x)"}
+    finally:
+        timing.set_smoke(False)
