@@ -6,7 +6,7 @@ Per op, slot count and regime: device µs (a CUDA graph of one call, replayed un
 per eager call (a tight loop, one synchronize; the two regimes taken in turn). The results of both regimes
 are checked equal bit for bit (pure data movement) before anything is timed.
 
-    python -m benchmarks.index_threshold [--tokens 64,128,256,512,768,1024,2048] [--hidden 4096] [--out DIR]
+    python -m benchmarks.index_threshold [--tokens 64,128,256,384,512,768,1024] [--hidden 4096] [--out DIR]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="64,128,256,512,768,1024,2048")
+    parser.add_argument("--tokens", default="64,128,256,384,512,768,1024")  # ~512 to ~8300 slots
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--out")
     args = parser.parse_args()
