@@ -4,7 +4,8 @@ the main benchmark's routing (T tokens x top-8 over 8 ranks x 8 experts, alignme
 
 Per op, slot count and regime: device µs (a CUDA graph of one call, replayed under do_bench) and host wall µs
 per eager call (a tight loop, one synchronize; the two regimes taken in turn). The results of both regimes
-are checked equal bit for bit (pure data movement) before anything is timed.
+are checked equal bit for bit (pure data movement) before anything is timed. Above 4096 slots the one-launch
+generate spills (its one block holds every slot; docs/design.md), so its rows there bound a looped form.
 
     python -m benchmarks.index_threshold [--tokens 64,128,256,384,512,768,1024] [--hidden 4096] [--out DIR]
 """
