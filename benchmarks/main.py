@@ -101,8 +101,8 @@ def configure_dynamo() -> None:
             setattr(cfg, name, 4096)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
-    # A compiled backward that donates its saved buffers runs once per graph; the backward alone is timed
-    # with retain_graph=True (on the H200 every torch.compile backward-alone row failed so until 2026-12-04).
+    # A compiled backward that donates its saved buffers runs once per graph, and the backward alone is timed
+    # with retain_graph=True (with donation on, every torch.compile backward-alone row failed on the H200).
     import torch._functorch.config as functorch_cfg
 
     functorch_cfg.donated_buffer = False
