@@ -192,3 +192,17 @@ def test_host_grad_rows_time_the_device_on_fresh_leaves(monkeypatch):
         assert host._device_time(fwd_bwd) == {"timing": "do_bench of eager calls (x)"}
     finally:
         timing.set_smoke(False)
+
+
+def test_parity_timing_runs_every_method():
+    """`benchmarks.parity_timing`: xkern's backward timed the sweep's way in both frameworks and chained in
+    torch (JAX's loop feeds each dx to the next call)."""
+    from benchmarks import parity_timing, timing
+
+    timing.set_smoke(True)
+    try:
+        got = parity_timing.torch_times(8, 64, 2)
+        got["jax"] = parity_timing.jax_time(8, 64)
+    finally:
+        timing.set_smoke(False)
+    assert len(got) == 3 and all(v > 0 for v in got.values())
