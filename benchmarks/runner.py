@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -285,6 +286,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                 continue
             xkern = name.startswith("xkern")
             fields = dict(info)
+            start = time.perf_counter()  # each row's cost to the run (check_s, time_s): what a sweep spends where
             try:
                 if framework == "torch":
                     got = xk_torch if name == "xkern (torch)" else torch_outputs(op, fn, args0, cot0, inputs.consts)
@@ -297,6 +299,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                     fields["bitwise_equal_torch"] = bitwise
                 stats, fail = check(got)
                 del got
+                fields["check_s"] = round(time.perf_counter() - start, 2)
             except Exception as err:  # noqa: BLE001
                 rows += [_row(op, case, p, name, ceiling, status=error_status(err)) for p in case.passes]
                 continue
@@ -312,6 +315,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                     status = "wrong answer: not timed" if xkern and fail else "ok"
                     rows.append(_row(op, case, pass_, name, ceiling, status=status, **f))
                     continue
+                start = time.perf_counter()
                 try:
                     if framework == "torch":
                         f["us"], f["timing"] = timing.torch_device_us(torch_make_calls(fn, pass_, inputs))
@@ -326,6 +330,7 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                         f.update(us=us / len(jsets), timing=f"{method}, {len(jsets)} input set(s) per iteration")
                 except Exception as err:  # noqa: BLE001
                     f.update(us=None, status=error_status(err))
+                f["time_s"] = round(time.perf_counter() - start, 2)
                 rows.append(_row(op, case, pass_, name, ceiling, **f))
             if device == "cuda":  # graphs left in reference cycles keep their private pools until collected
                 gc.collect()

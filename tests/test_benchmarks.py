@@ -31,6 +31,7 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
         for impl in ("xkern (torch)", "xkern (jax)"):
             mine = [r for r in rows if r["op"] == op and r["impl"] == impl]
             assert mine and all(r["check"] == "pass" and r["us"] for r in mine), (op, impl)
+            assert all(r["check_s"] >= 0 and r["time_s"] > 0 for r in mine), (op, impl)  # what each row cost
     assert all(r["bitwise_equal_torch"] for r in rows if r["impl"] == "xkern (jax)")
     assert any(r.get("sweep") for r in rows)
     assert {r["op"] for r in results["host"] if "wall_us" in r} >= {
