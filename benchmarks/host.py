@@ -63,16 +63,10 @@ def _sync(device: str):
 
 
 def _device_time(call) -> dict:
-    """Device time of one call, in a CUDA graph (`timing.torch_device_us`); a grad call's leaves renewed on
-    the capture stream first (`_Leaves`). Where the capture fails there is no device time (an eager timing
-    would be the host's)."""
-    leaves = getattr(call, "leaves", None)
-
-    def make():
-        if leaves is not None:
-            leaves.renew()
-        return [call]
-
+    """Device time of one call, in a CUDA graph (`timing.torch_device_us`): a grad row's own calls where it
+    has them (`_on_device`). Where the capture fails there is no device time (an eager timing would be the
+    host's)."""
+    make = getattr(call, "device_calls", None) or (lambda: [call])
     try:
         us, how = timing.torch_device_us(make)
         if how.startswith("do_bench of eager calls"):
@@ -80,6 +74,15 @@ def _device_time(call) -> dict:
         return {"device_us": us, "timing": how}
     except Exception as err:  # noqa: BLE001 - one failing entry must not lose the table
         return {"timing": error_status(err)}
+
+
+def _on_device(call, make_calls):
+    """`call` (timed on the host) with `make_calls` for its device time: a grad call's leaves and forward must
+    be made on the capture's stream (`runner.torch_make_calls`). With the timed loop's leaves, made on the
+    default stream, the engine synchronized with that stream and every grad row's capture failed
+    (2026-12-04: the table then showed eager times as device times)."""
+    call.device_calls = make_calls
+    return call
 
 
 def rms_inputs(device: str):
@@ -93,56 +96,39 @@ def rms_inputs(device: str):
     return x, w, dy, x.detach().requires_grad_(), w.detach().requires_grad_()
 
 
-class _Leaves:
-    """x and w as the leaves the grad calls differentiate, renewable: a CUDA graph capture needs leaves (and
-    their AccumulateGrad nodes) made on its own stream. With the timed loop's leaves, made on the default
-    stream, the engine synchronized with that stream and every grad row's capture failed (2026-12-04: the
-    table then showed eager times as device times)."""
-
-    def __init__(self, x, w):
-        self.x, self.w, self.generation = x, w, 0
-
-    def renew(self) -> None:
-        self.x, self.w = self.x.detach().requires_grad_(), self.w.detach().requires_grad_()
-        self.generation += 1
-
-
-def _grad_call(call, leaves: _Leaves):
-    call.leaves = leaves  # for `_device_time`
-    return call
-
-
 def _rms_entries(device: str):
     import torch
 
+    from benchmarks.runner import Inputs, torch_make_calls
+
     x, w, dy, xg, wg = rms_inputs(device)
-    leaves = _Leaves(xg, wg)
+    inputs = Inputs([([x, w], dy)])
     shape = "x {}×{} bf16".format(*x.shape)
     for name, fn in RN.torch_impls(None).items():
         if not callable(fn):
             yield "rms_norm", "fwd", name, shape, fn
             continue
         yield "rms_norm", "fwd", name, shape, functools.partial(fn, x, w)
-        yield "rms_norm", "fwd+bwd", name, shape, _grad_call(
-            lambda fn=fn: torch.autograd.grad(fn(leaves.x, leaves.w), (leaves.x, leaves.w), dy), leaves)
-        yield "rms_norm", "bwd", name, shape, _grad_call(
-            functools.partial(_backward_alone, fn, leaves, dy, {}), leaves)
+        yield "rms_norm", "fwd+bwd", name, shape, _on_device(
+            lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy), torch_make_calls(fn, "fwd+bwd", inputs))
+        yield "rms_norm", "bwd", name, shape, _on_device(
+            functools.partial(_backward_alone, fn, xg, wg, dy, {}), torch_make_calls(fn, "bwd", inputs))
     from torch_api.rms_norm import _Forward
 
     yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
-    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _grad_call(
-        _kernels_empty(lambda: torch.autograd.grad(RN.xkern_torch(leaves.x, leaves.w), (leaves.x, leaves.w), dy)),
-        leaves)
+    xkern_step = torch_make_calls(RN.xkern_torch, "fwd+bwd", inputs)
+    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _on_device(
+        _kernels_empty(lambda: torch.autograd.grad(RN.xkern_torch(xg, wg), (xg, wg), dy)),
+        lambda: [_kernels_empty(call) for call in xkern_step()])
 
 
-def _backward_alone(fn, leaves: _Leaves, dy, kept: dict):
-    """The backward's share of a step: torch.autograd.grad through one forward, made on the first call with
-    these leaves."""
+def _backward_alone(fn, x, w, dy, kept: dict):
+    """The backward's share of a step: torch.autograd.grad through one forward, made on the first call."""
     import torch
 
-    if kept.get("generation") != leaves.generation:
-        kept["y"], kept["generation"] = fn(leaves.x, leaves.w), leaves.generation
-    return torch.autograd.grad(kept["y"], (leaves.x, leaves.w), dy, retain_graph=True)
+    if "y" not in kept:
+        kept["y"] = fn(x, w)
+    return torch.autograd.grad(kept["y"], (x, w), dy, retain_graph=True)
 
 
 def _gather_entries(device: str):

@@ -21,22 +21,16 @@ def torch_times(m: int, n: int, k: int) -> dict:
 
     from benchmarks import rms_norm as RN
     from benchmarks import timing
+    from benchmarks.runner import Inputs, torch_make_calls
 
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(n)
     device = gen.device
     x, cot = (torch.randn(m, n, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
 
-    def leaves_and_y():
-        leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
-        return leaves, RN.xkern_torch(*leaves)
-
-    def one():  # the sweep's call
-        leaves, y = leaves_and_y()
-        return [lambda: torch.autograd.grad(y, leaves, cot, retain_graph=True)]
-
     def chained():  # K calls in one graph, each cotangent the previous dx (as JAX's loop feeds it)
-        leaves, y = leaves_and_y()
+        leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+        y = RN.xkern_torch(*leaves)
 
         def call():
             c = cot
@@ -45,7 +39,7 @@ def torch_times(m: int, n: int, k: int) -> dict:
             return c
         return [call]
 
-    single, _ = timing.torch_device_us(one)
+    single, _ = timing.torch_device_us(torch_make_calls(RN.xkern_torch, "bwd", Inputs([([x, w], cot)])))  # the sweep's
     chain, _ = timing.torch_device_us(chained)
     return {"torch, one call per replay (sweep)": single, f"torch, {k} chained calls per replay": chain / k}
 

@@ -170,25 +170,27 @@ def test_index_threshold_times_both_regimes():
     assert "| unpermute_rows |" in index_threshold.table(rows)
 
 
-def test_host_grad_rows_time_the_device_on_fresh_leaves(monkeypatch):
-    """The host table's grad rows: device time on leaves renewed on the capture stream (the timed loop's
-    leaves made every capture fail on the GPU), and no device time where the capture fails."""
+def test_host_grad_rows_time_the_device_on_their_own_calls(monkeypatch):
+    """The host table's grad rows: device time on calls whose leaves and forward are made on the capture
+    stream (`runner.torch_make_calls`; the timed loop's leaves made every capture fail on the GPU), computing
+    what the timed call computes; and no device time where the capture fails."""
     from benchmarks import host, timing
 
     timing.set_smoke(True)
     try:
-        entries = {(op, pass_, impl): call for op, pass_, impl, _, call in host._rms_entries(DEVICE)
-                   if impl in ("xkern (torch)", "F.rms_norm")}
-        call = entries[("rms_norm", "bwd", "xkern (torch)")]
-        leaves = call.leaves
-        old_x, generation = leaves.x, leaves.generation
+        entries = {(pass_, impl): call for _, pass_, impl, _, call in host._rms_entries(DEVICE)}
+        call = entries[("bwd", "xkern (torch)")]
         dx, dw = call()
-        got = host._device_time(call)
-        assert leaves.generation == generation + 1 and leaves.x is not old_x and leaves.x.requires_grad
-        assert got["device_us"] > 0
-        assert torch.equal(call()[0], dx)  # the same backward on the new leaves (a forward of their own)
-        fwd_bwd = entries[("rms_norm", "fwd+bwd", "F.rms_norm")]
-        assert fwd_bwd.leaves is leaves
+        (own,) = call.device_calls()
+        own_dx, own_dw = own()
+        assert own_dx is not dx and torch.equal(own_dx, dx) and torch.equal(own_dw, dw)
+        made = []
+        real = timing.torch_device_us
+        monkeypatch.setattr(timing, "torch_device_us", lambda make: real(lambda: made.append(1) or make()))
+        assert host._device_time(call)["device_us"] > 0 and made  # the row's own calls were the ones timed
+        floor = entries[("fwd+bwd", "floor: its launches empty (the whole call otherwise)")]
+        assert len(floor.device_calls()) == 1  # its own calls too, kernels emptied as in the timed one
+        fwd_bwd = entries[("fwd+bwd", "F.rms_norm")]
         monkeypatch.setattr(timing, "torch_device_us", lambda make: (make(), (123.0, "do_bench of eager calls (x)"))[1])
         assert host._device_time(fwd_bwd) == {"timing": "do_bench of eager calls (x)"}
     finally:
