@@ -1,6 +1,7 @@
 """The main job: xkern checked against the FP64 oracle and timed against its peers on this machine.
 
-    python -m benchmarks.main [--quick | --sweep [--part K/N] | --host | --smoke] [--only OP] [--out DIR] [--budget-s S]
+    python -m benchmarks.main [--quick | --sweep [--part K/N] [--widths W,...] | --host | --smoke] [--only OP]
+                              [--out DIR] [--budget-s S]
 
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
 step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
@@ -8,8 +9,10 @@ every case of every op (`benchmarks/runner.py`: each xkern result checked before
 `DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots generated from it, refreshes
 README's benchmarks section, and prints the tables last. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
-and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`). `--host`: the host-cost and
-block tables alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to the call path).
+and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`; `--widths`: only those widths,
+into `<gpu>-sweep-subset.json`, to re-measure a plan change with every peer in one short call). `--host`: the
+host-cost and block tables alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to
+the call path).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
 per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
@@ -131,6 +134,9 @@ def plan(args) -> tuple[str, list]:
         work += [(op, case, True) for op in ops(args.only) for case in op.cases("smoke")]
     if mode in ("smoke", "validate"):  # the sweep's code too, at its smoke sizes
         work += [(op, case, True) for op in ops(args.only) for case in op.cases("sweep-smoke")]
+    if args.widths:
+        widths = {int(w) for w in args.widths.split(",")}
+        work = [w for w in work if w[1].shape[-1] in widths]
     if args.part:
         k, n = map(int, args.part.split("/"))
         work = work[k - 1::n]
@@ -140,7 +146,8 @@ def plan(args) -> tuple[str, list]:
 def output_stem(gpu: str, args) -> str:
     stem = gpu.lower().replace(" ", "-")
     if args.sweep:
-        stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
+        stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "") + \
+            ("-subset" if args.widths else "")
     elif args.quick:
         stem += "-quick"
     elif args.host:
@@ -272,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="every benchmark path at tiny sizes, timings not "
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
+    parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute"), help="one op only")
     parser.add_argument("--out", help="where results go (default: benchmarks/results on a GPU, nothing on CPU)")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -547,9 +547,11 @@ _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
 # Backward tiles of narrow rows by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH): many rows per
-# tile, 16384 elements per SM. From 512: one row per tile, 8192 elements per SM, 8 elements per thread up to
-# 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entry 10).
-_BWD_NARROW_TILES = {64: (64, 2, 4, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
+# tile. Up to 64 and at 256, one-warp tiles of 1024 elements, 16 per SM (the most that fit at once: 20 or 24
+# per SM time 1.2x slower, a partial second wave); at 128, 2-warp tiles of 4096, 4 per SM (one-warp tiles
+# there were no faster). From 512: one row per tile, 8192 elements per SM, 8 elements per thread up to
+# 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entries 10, 18).
+_BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
 # Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. Only there is it the
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
