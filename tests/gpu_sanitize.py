@@ -60,7 +60,7 @@ def main():
             want = dw_ref.sum(keepdims=True) if leaf is one else dw_ref
             assert np.allclose(got if leaf is one else got[::2], want, rtol=1e-4, atol=1e-4)
             count += 1
-    # small and large layouts (6000 tokens: ~6100 slots), empty and one-column rows
+    # up to 4096 slots the one-launch search forms, above them (6000 tokens) the scatter and settled gather
     for tokens, hidden, ranks, align in [(100, 1025, 2, 16), (64, 1, 1, 8), (0, 64, 2, 16), (333, 2048, 4, 128),
                                          (6000, 64, 4, 16)]:
         experts = 8

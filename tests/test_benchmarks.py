@@ -150,6 +150,26 @@ def test_step_timeline_times_each_part():
     assert _RMSNormFunction.__dict__["backward"] is real
 
 
+def test_index_threshold_times_both_regimes():
+    """`benchmarks.index_threshold`: each index op in both regimes (one launch and two) at each slot count, the
+    regimes' results equal bit for bit, the forced threshold restored afterwards."""
+    from benchmarks import index_threshold, timing
+    from xkern import permute as XP
+
+    saved = XP.ONE_LAUNCH_SLOTS
+    timing.set_smoke(True)
+    try:
+        rows = index_threshold.measure([4], 16, DEVICE, log=lambda *_: None)
+    finally:
+        timing.set_smoke(False)
+    assert XP.ONE_LAUNCH_SLOTS == saved
+    assert {(r["op"], r["regime"]) for r in rows} == {(op, regime) for op in (
+        "unpermute_rows", "inverse_permutation", "generate_permute_indices") for regime in index_threshold.REGIMES}
+    assert all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("two launches", 2)}
+    assert "| unpermute_rows |" in index_threshold.table(rows)
+
+
 def test_host_grad_rows_time_the_device_on_their_own_calls(monkeypatch):
     """The host table's grad rows: device time on calls whose leaves and forward are made on the capture
     stream (`runner.torch_make_calls`; the timed loop's leaves made every capture fail on the GPU), computing

@@ -15,7 +15,8 @@ import zlib
 from pathlib import Path
 
 # Each case: the kernels of the `triton_kernel_call`s its exported module must hold, one entry per call.
-GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_scatter_inverse_kernel", "_settle_inverse_kernel"]
+# 16 slots: the inverse is the one-launch search (`xkern.permute.one_launch`), then the gather
+GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_inverse_search_kernel"]
 EXPECTED = {
     "rms_norm bf16": ["_rms_norm_fwd_row_kernel"],
     "rms_norm fp16 x, fp32 w": ["_rms_norm_fwd_kernel"],
@@ -23,7 +24,7 @@ EXPECTED = {
     "permute_rows": ["_gather_rows_kernel"],
     "unpermute_rows": GATHER_VIA_INVERSE,
     "grad permute_rows": ["_gather_rows_kernel"] + GATHER_VIA_INVERSE,  # forward gather, then unpermute
-    "generate_permute_indices": ["_expert_sizes_kernel", "_fill_indices_kernel"],
+    "generate_permute_indices": ["_generate_one_kernel"],  # up to ONE_LAUNCH_SLOTS slots: one program
 }
 
 

@@ -18,7 +18,16 @@ from helpers import DEVICE, rand, same_bits, to_numpy, to_torch
 import jax_api
 import torch_api
 from xkern import reference as R
-from xkern.permute import plan_gather_rows, plan_generate_indices, plan_inverse
+from xkern.permute import (
+    ONE_LAUNCH_SLOTS,
+    generate_recipe,
+    inverse_recipe,
+    plan_gather_rows,
+    plan_generate_indices,
+    plan_inverse,
+    plan_scatter_inverse,
+    unpermute_recipe,
+)
 from xkern.testing import launch
 
 NAN_BITS = {"bfloat16": (np.uint16, 0x7FA5), "float16": (np.uint16, 0x7E05), "float32": (np.uint32, 0x7FC00123)}
@@ -269,6 +278,34 @@ def test_random_layouts(seed):
     assert all(same_bits(t, r) and same_bits(j, r) for r, t, j in zip(ref, got_t, got_j, strict=True))
 
 
+@pytest.mark.parametrize("max_len", [ONE_LAUNCH_SLOTS, ONE_LAUNCH_SLOTS + 1])
+def test_both_regimes_of_the_index_ops(max_len):
+    """generate_permute_indices, unpermute_rows and inverse_permutation take one launch up to ONE_LAUNCH_SLOTS
+    slots and two above: both match the oracle (rows dropped past max_len included) in both front ends."""
+    counts = _rng("regimes").integers(500, 800, 8).astype(np.int32)  # ~5200 rows: more than max_len holds
+    idx, _, _ = R.generate_permute_indices(counts, 4, 2, max_len, 8)
+    n = int(counts.sum())
+    rng = _rng("regimes", max_len)
+    x, y = rand(rng, (n, 2), "bfloat16"), rand(rng, (max_len, 2), "bfloat16")
+    ref = (R.permute_rows(x, idx), R.unpermute_rows(y, idx, n), R.unpermute_rows(y, idx, n),
+           R.permute_rows(x, idx), R.inverse_permutation(idx, n))
+    assert (ref[4] < 0).any()
+    launches = 1 if max_len <= ONE_LAUNCH_SLOTS else 2
+    assert len(unpermute_recipe(max_len, 2, n, "bfloat16", 2, "int32").steps) == launches
+    assert len(inverse_recipe(max_len, n, "int32").steps) == launches
+    ref_g = R.generate_permute_indices(counts, 4, 2, max_len, 8)
+    got_g = (torch_api.generate_permute_indices(to_torch(counts), 4, 2, max_len, 8),
+             jax_api.generate_permute_indices(jnp.asarray(counts), 4, 2, max_len, 8))
+    assert all(same_bits(g, r) for got in got_g for g, r in zip(got, ref_g, strict=True))
+    assert len(generate_recipe(4, 2, max_len, 8).steps) == launches
+    got_t = _torch_run(idx, n, x, y, y, x)
+    got_j = _jax_run(idx, n, x, y, y, x)
+    for name, r, t, j in zip(("permute", "permute dx", "unpermute", "unpermute dy", "inverse"), ref, got_t, got_j,
+                             strict=True):
+        assert same_bits(t, r), f"torch {name}"
+        assert same_bits(j, r), f"jax {name}"
+
+
 def test_indices_naming_no_row_are_ignored():
     """Without validate=True, an index that names no row (below -1, past num_rows, past int32 in int64) names
     nothing: its slot is never read, the row it would name is -1 / a zero row (the search kernels compare in
@@ -411,15 +448,20 @@ def test_every_output_element_is_written():
     counts, max_len = _layout(layout, *layout)
     idx_np, sizes_np, offsets_np = R.generate_permute_indices(counts, experts, ranks, max_len, alignment)
     n = int(counts.sum())
-    # generate: every output poisoned; the fill planned for more slots (its extra programs store nothing)
+    # generate: every output poisoned, in one launch (up to ONE_LAUNCH_SLOTS slots) and in two
     tc = to_torch(counts.astype(np.int32))
     scalars = dict(n_experts=experts, n_ranks=ranks, alignment=alignment, max_len=max_len)
-    sizes, fill = plan_generate_indices(experts, ranks, max_len + 5000)
-    outs = [torch.full((k,), -7, dtype=torch.int32, device=DEVICE)
-            for k in (experts, experts, len(counts), len(counts), max_len)]
-    launch(sizes, tc, *outs[:4], **scalars)
-    launch(fill, tc, *outs, **scalars)
-    assert same_bits(outs[4], idx_np) and same_bits(outs[0], sizes_np) and same_bits(outs[1], offsets_np)
+    (one,), (sizes, fill) = plan_generate_indices(experts, ranks, max_len), plan_generate_indices(
+        experts, ranks, ONE_LAUNCH_SLOTS + 1)
+    for launches in ((one,), (sizes, fill)):
+        outs = [torch.full((k,), -7, dtype=torch.int32, device=DEVICE)
+                for k in (experts, experts, len(counts), len(counts), max_len)]
+        if launches == (one,):
+            launch(one, tc, *outs, **scalars)
+        else:
+            launch(sizes, tc, *outs[:4], **scalars)
+            launch(fill, tc, *outs, **scalars)  # planned for more slots: its extra programs store nothing
+        assert same_bits(outs[4], idx_np) and same_bits(outs[0], sizes_np) and same_bits(outs[1], offsets_np)
     # gather: NaN-filled output, zero rows included
     idx = to_torch(idx_np)
     for dtype, hidden in (("bfloat16", 1025), ("float32", 5)):
@@ -429,7 +471,7 @@ def test_every_output_element_is_written():
                n_cols=hidden, n_src_rows=n, src_row_stride=hidden)
         assert same_bits(out, R.permute_rows(x, idx_np))
     # inverse: the scatter's scratch holds garbage, some of it naming valid slots of other rows
-    scatter, settle = plan_inverse(max_len, n)
+    scatter, settle = plan_scatter_inverse(max_len), plan_inverse(ONE_LAUNCH_SLOTS + 1, n)[1]
     for fill_value in (-1, 0, 3, 2**30):
         raw = torch.full((n,), fill_value, dtype=torch.int32, device=DEVICE)
         inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
@@ -437,14 +479,16 @@ def test_every_output_element_is_written():
         launch(settle, idx, raw, inv, n_slots=max_len, n_rows=n)
         assert same_bits(inv, R.inverse_permutation(idx_np, n))
         assert (inv < 0).any()  # the "short" layout drops rows: they must read -1, whatever raw held
-    # unpermute's gather through the raw scatter (settled in the gather): NaN-filled output, garbage scratch
+    # the one-launch forms (`one_launch`): every output poisoned, dropped rows included
+    (search,) = plan_inverse(max_len, n)
+    inv = torch.full((n,), -5, dtype=torch.int32, device=DEVICE)
+    launch(search, idx, inv, n_slots=max_len, n_rows=n)
+    assert same_bits(inv, R.inverse_permutation(idx_np, n))
     for dtype, hidden in (("bfloat16", 1025), ("float32", 5)):
         y = rand(_rng("poison-unpermute", dtype), (max_len, hidden), dtype)
-        raw = torch.full((n,), 3, dtype=torch.int32, device=DEVICE)
         out = torch.full((n, hidden), float("nan"), dtype=to_torch(y).dtype, device=DEVICE)
-        launch(scatter, idx, raw, n_slots=max_len, n_rows=n)
-        launch(plan_gather_rows(n, hidden, out.element_size(), settled=True), to_torch(y), raw, idx, out,
-               n_rows=n, n_cols=hidden, n_src_rows=max_len, src_row_stride=hidden)
+        launch(plan_gather_rows(n, hidden, out.element_size(), search=True), to_torch(y), idx, out, n_rows=n,
+               n_cols=hidden, n_src_rows=max_len, src_row_stride=hidden)
         assert same_bits(out, R.unpermute_rows(y, idx_np, n))
 
 

@@ -20,8 +20,12 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
                            and permute_rows's backward, two launches (scatter, gather) with the settle
                            folded into the gather.
+  _inverse_search_kernel, and _gather_rows_kernel with BLOCK_S  the same two ops in one launch for up to
+                           ONE_LAUNCH_SLOTS slots (`one_launch`): each program finds its rows' slots by
+                           scanning all of idx (work rows x slots; saves a launch where the call is host-bound).
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
+  _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
 """
 
 from __future__ import annotations
@@ -60,19 +64,38 @@ def _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK
         tl.store(out_ptr + cols[None, :], vals, mask=row_mask[:, None] & col_mask)
 
 
+@triton.jit
+def _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S: tl.constexpr):
+    # The slot naming each of `rows` (the last, should several), -1 where none does: a scan of all of IDX,
+    # BLOCK_S slots at a time. Work rows x slots, so only for small problems (`one_launch`), where it saves
+    # the scatter's launch. In int32 (rows and slots fit it, check_gather_sizes): an index naming no row
+    # (-1, out of range, or past int32 in an int64 IDX) becomes -1 before the compares.
+    found = rows * 0 - 1
+    for start in range(0, n_slots, BLOCK_S):
+        slots = start + tl.arange(0, BLOCK_S)
+        named = tl.load(IDX + slots, mask=slots < n_slots, other=-1)
+        named = tl.where((named >= 0) & (named < n_rows), named, -1).to(tl.int32)
+        hit = named[None, :] == rows[:, None]
+        found = tl.maximum(found, tl.max(tl.where(hit, slots[None, :], -1), axis=1))
+    return found
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
 def _gather_rows_kernel(
     SRC, IDX,
     n_rows, n_cols, n_src_rows, src_row_stride,
     OUT,
     ROW_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN  # the plan's alignment made visible: 16-byte accesses
     src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
-    src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
+    if BLOCK_S:  # unpermute_rows in one launch (`one_launch`): row r reads the slot naming it (SRC: a row per slot)
+        src = _find_slots(IDX, rows, n_src_rows, n_rows, BLOCK_S).to(tl.int64)
+    else:
+        src = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
     # -1 is padding; an out-of-range index (possible only without validate=True) also gives a zero row.
     hit = (src >= 0) & (src < n_src_rows)
     _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
@@ -119,6 +142,13 @@ def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
     back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
     ok = ok & (back == rows.to(tl.int64))
     tl.store(INV + rows, tl.where(ok, slot, -1).to(INV.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _inverse_search_kernel(IDX, n_slots, n_rows, INV, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    found = _find_slots(IDX, rows, n_slots, n_rows, BLOCK_S)
+    tl.store(INV + rows, found.to(INV.dtype.element_ty), mask=rows < n_rows)
 
 
 @triton.jit
@@ -196,6 +226,21 @@ def _fill_indices_kernel(
                 RANK_BEGIN, max_len, n_experts, n_ranks, OUT, BLOCK_S, STEPS_E, STEPS_R)
 
 
+@triton.jit
+def _generate_one_kernel(
+    COUNTS,
+    n_experts, n_ranks, alignment, max_len,
+    M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, OUT,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr,
+):
+    # Both passes in one program, for up to ONE_LAUNCH_SLOTS slots (all of them in one block): the tables,
+    # a barrier (every thread of the program then sees them in global memory), the slots.
+    _expert_tables(COUNTS, n_experts, n_ranks, alignment, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, BLOCK_E)
+    tl.debug_barrier()
+    _fill_slots(tl.arange(0, BLOCK_S), COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts,
+                n_ranks, OUT, BLOCK_S, STEPS_E, STEPS_R)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch plans: fixed (no autotuning), from shapes and the element size only.
 
@@ -203,28 +248,54 @@ ROW_CHUNK_BYTES = 2048  # columns per inner-loop step: 1024 bf16, 512 fp32 (7168
 TILE_BYTES = 16384      # bytes per loop step: 8 rows x 1024 bf16; 8 warps move 4 16-byte vectors a thread
 MAX_BLOCK_M = 1024      # rows per program for very narrow rows
 INDEX_BLOCK = 1024      # slots (or rows) per program of the index kernels
+ONE_LAUNCH_SLOTS = 4096 # `one_launch`: at most this many slots, the index ops in one launch
+SEARCH_PAIRS = 16       # (row, slot) pairs each thread compares per step of the search kernels' scan
+SEARCH_ROWS = 64        # rows per program of the search kernels (each program scans every slot)
+
+
+def one_launch(n_slots: int) -> bool:
+    """The index ops' regime rule: up to ONE_LAUNCH_SLOTS slots (decode steps, small batches: host-bound
+    calls) inverse_permutation and unpermute_rows take one launch whose programs each scan every slot, and
+    generate_permute_indices one program for its tables and its slots; above it (device-bound) the scatter
+    then the settle or the settled gather, and the tables then the parallel fill: two launches each."""
+    return n_slots <= ONE_LAUNCH_SLOTS
 
 
 def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None,
-                     settled: bool = False) -> Launch:
+                     settled: bool = False, search: bool = False) -> Launch:
     """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
 
     Arrays `(src, idx, out)`, or with `settled` `(src, raw, idx, out)` (unpermute's gather through the raw
-    scatter); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
+    scatter); with `search` `(src, idx, out)` is unpermute's whole gather, `out[r] = src[slot naming r]`
+    (`one_launch`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
     src's last dim contiguous (its row stride defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
     block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
     num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
     constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
-    kernel = _gather_settled_rows_kernel if settled else _gather_rows_kernel
-    return Launch(kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+    if settled:
+        return Launch(_gather_settled_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+    if search:  # fewer rows per program (each scans every slot), at least 4 warps for the scan
+        block_m, num_warps = min(block_m, SEARCH_ROWS), max(num_warps, 4)
+    constexprs.update(BLOCK_M=block_m, BLOCK_S=_search_block(block_m, num_warps) if search else 0)
+    return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
 
 
-def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, Launch]:
-    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows.
+def _search_block(rows: int, num_warps: int) -> int:
+    """Slots per step of a search kernel's scan: SEARCH_PAIRS (row, slot) compares per thread."""
+    return min(1024, max(1, SEARCH_PAIRS * 32 * num_warps // rows))
 
-    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, both with `n_slots, n_rows`."""
+
+def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
+    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows; or, when
+    `one_launch(n_slots)`, the one search launch.
+
+    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, search `(idx, inv)`, all with
+    `n_slots, n_rows`."""
+    if one_launch(n_slots):
+        return (Launch(_inverse_search_kernel, (max(1, cdiv(n_rows, SEARCH_ROWS)),), 4,
+                       {"BLOCK": SEARCH_ROWS, "BLOCK_S": _search_block(SEARCH_ROWS, 4)}),)
     return plan_scatter_inverse(n_slots), \
         Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
@@ -233,14 +304,20 @@ def plan_scatter_inverse(n_slots: int) -> Launch:
     return Launch(_scatter_inverse_kernel, (max(1, cdiv(n_slots, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
 
-def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, Launch]:
-    """The one-program size/offset pass and the per-slot fill.
+def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -> tuple[Launch, ...]:
+    """The one-program size/offset pass and the per-slot fill; or, when `one_launch(max_len)`, both in one
+    program over every slot.
 
     Arrays: sizes `(counts, m_sizes, m_offsets, row_start, rank_begin)` with `n_experts, n_ranks,
     alignment`; fill `(counts, m_sizes, m_offsets, row_start, rank_begin, out)` with `max_len, n_experts,
-    n_ranks`. row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
+    n_ranks`; the one launch `(counts, m_sizes, m_offsets, row_start, rank_begin, out)` with all four.
+    row_start and rank_begin are int32 scratch of num_ranks * experts_per_rank elements."""
     block_e = next_pow2(experts_per_rank)
     steps = {"STEPS_E": experts_per_rank.bit_length(), "STEPS_R": num_ranks.bit_length()}
+    if 0 < max_len and one_launch(max_len):
+        block_s = next_pow2(max_len)
+        return (Launch(_generate_one_kernel, (1,), max(4, min(16, block_s // 256)),
+                       {"BLOCK_E": block_e, "BLOCK_S": block_s, **steps}),)
     sizes = Launch(_expert_sizes_kernel, (1,), max(1, min(8, block_e // 256)), {"BLOCK_E": block_e})
     fill = Launch(_fill_indices_kernel, (max(1, cdiv(max_len, INDEX_BLOCK)),), 4, {"BLOCK_S": INDEX_BLOCK, **steps})
     return sizes, fill
@@ -262,6 +339,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                 continue
             seen.add(key)
             settled = plan_gather_rows(1024, 1 << log_cols, elem_size, settled=True)
+            search = plan_gather_rows(1024, 1 << log_cols, elem_size, search=True)
             for dtype in dtypes:
                 for index in ("*i32", "*i64"):
                     sig = {"SRC": dtype, "IDX": index, "OUT": dtype, "n_rows": "i32", "n_cols": "i32",
@@ -269,19 +347,32 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                            "BLOCK_H": "constexpr"}
                     variants.append((plan, sig))
                     variants.append((settled, {**sig, "RAW": index}))
+                    variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
     for index in ("*i32", "*i64"):
-        scatter, settle = plan_inverse(4096, 4096)
+        scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
+        (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
         variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
                                    "BLOCK": "constexpr"}))
         variants.append((settle, {"IDX": index, "RAW": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr"}))
+        variants.append((search, {"IDX": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
+                                  "BLOCK": "constexpr", "BLOCK_S": "constexpr"}))
     tables = {"M_SIZES": "*i32", "M_OFFSETS": "*i32", "ROW_START": "*i32", "RANK_BEGIN": "*i32"}
     for experts, ranks in ((1, 1), (8, 1), (4, 64), (32, 8), (256, 1)):
         sizes, fill = plan_generate_indices(experts, ranks, 65536)
+        for max_len in (1, 100, ONE_LAUNCH_SLOTS):
+            (one,) = plan_generate_indices(experts, ranks, max_len)
+            for counts in ("*i32", "*i64"):
+                variants.append((one, {"COUNTS": counts, **tables, "OUT": "*i32", "n_experts": "i32",
+                                       "n_ranks": "i32", "alignment": "i32", "max_len": "i32",
+                                       "BLOCK_E": "constexpr", "BLOCK_S": "constexpr", "STEPS_E": "constexpr",
+                                       "STEPS_R": "constexpr"}))
         for counts in ("*i32", "*i64"):
-            variants.append((sizes, {"COUNTS": counts, **tables, "n_experts": "i32", "n_ranks": "i32",
-                                     "alignment": "i32", "BLOCK_E": "constexpr"}))
-            variants.append((fill, {"COUNTS": counts, **tables, "OUT": "*i32", "max_len": "i32",
+            variants.append((sizes, {"COUNTS": counts, "M_SIZES": "*i32", "M_OFFSETS": "*i32",
+                                     "ROW_START": "*i32", "RANK_BEGIN": "*i32", "n_experts": "i32",
+                                     "n_ranks": "i32", "alignment": "i32", "BLOCK_E": "constexpr"}))
+            variants.append((fill, {"COUNTS": counts, "M_SIZES": "*i32", "M_OFFSETS": "*i32",
+                                    "ROW_START": "*i32", "RANK_BEGIN": "*i32", "OUT": "*i32", "max_len": "i32",
                                     "n_experts": "i32", "n_ranks": "i32", "BLOCK_S": "constexpr",
                                     "STEPS_E": "constexpr", "STEPS_R": "constexpr"}))
     return variants
@@ -340,11 +431,12 @@ def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
 
 
 def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
-                  src_row_stride: int, raw: str | None = None) -> tuple[Step, ...]:
-    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather)."""
+                  src_row_stride: int, raw: str | None = None, search: bool = False) -> tuple[Step, ...]:
+    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather);
+    with `search`, unpermute's one-launch form."""
     if n_out * n_cols == 0 or n_src_rows == 0:  # nothing to read: every row is a zero row
         return (Step(None, (), (Buffer(out, (n_out, n_cols), dtype, fill=0),)),)
-    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None)
+    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None, search=search)
     return (Step(plan, (src, idx) if raw is None else (src, raw, idx), (Buffer(out, (n_out, n_cols), dtype),),
                  dict(n_rows=n_out, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride)),)
 
@@ -357,10 +449,12 @@ def _scatter_step(idx: str, n_slots: int, num_rows: int, index_dtype: str) -> St
 def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype: str) -> tuple[Step, ...]:
     if num_rows == 0 or n_slots == 0:  # no slot names any row
         return (Step(None, (), (Buffer(inv, (num_rows,), index_dtype, fill=-1),)),)
-    settle = plan_inverse(n_slots, num_rows)[1]
-    inverse = Buffer(inv, (num_rows,), index_dtype)
-    return (_scatter_step(idx, n_slots, num_rows, index_dtype),
-            Step(settle, (idx, "raw"), (inverse,), dict(n_slots=n_slots, n_rows=num_rows)))
+    *scatter, last = plan_inverse(n_slots, num_rows)
+    out = (Buffer(inv, (num_rows,), index_dtype),)
+    scalars = dict(n_slots=n_slots, n_rows=num_rows)
+    if not scatter:  # the search: one launch
+        return (Step(last, (idx,), out, scalars),)
+    return (_scatter_step(idx, n_slots, num_rows, index_dtype), Step(last, (idx, "raw"), out, scalars))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -382,8 +476,12 @@ def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
-    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there)."""
+    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there); or,
+    when `one_launch(n_slots)`, one launch."""
     check_gather_sizes(n_slots, num_rows)
+    if one_launch(n_slots):
+        return Recipe(_gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride,
+                                    search=True), ("out",))
     gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, raw="raw")
     if gather[0].launch is None:  # nothing to read: zero rows, no scatter
         return Recipe(gather, ("out",))
@@ -394,7 +492,7 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
 def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int) -> Recipe:
     """Input counts [num_ranks * experts_per_rank]; results permuted_indices [max_len], m_sizes and
     m_offsets [experts_per_rank], all int32."""
-    sizes, fill = plan_generate_indices(experts_per_rank, num_ranks, max_len)
+    launches = plan_generate_indices(experts_per_rank, num_ranks, max_len)
     per_expert = (experts_per_rank,)
     table = (experts_per_rank * num_ranks,)
     tables = (Buffer("m_sizes", per_expert, "int32"), Buffer("m_offsets", per_expert, "int32"),
@@ -402,6 +500,9 @@ def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignme
     scalars = dict(n_experts=experts_per_rank, n_ranks=num_ranks, alignment=alignment)
     idx = Buffer("idx", (max_len,), "int32")
     results = ("idx", "m_sizes", "m_offsets")
+    if len(launches) == 1:  # one program: the tables, then the slots
+        return Recipe((Step(launches[0], ("counts",), (*tables, idx), dict(scalars, max_len=max_len)),), results)
+    sizes, fill = launches
     steps = [Step(sizes, ("counts",), tables, scalars)]
     if max_len:
         steps.append(Step(fill, ("counts", *(b.name for b in tables)), (idx,),
