@@ -14,6 +14,7 @@ allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row).
 from __future__ import annotations
 
 import functools
+import statistics
 
 import triton
 
@@ -28,7 +29,10 @@ LOOP = 2000
 # The block: [batch, seq, dim], heads, MLP hidden size
 BLOCK = {"cuda": dict(batch=1, seq=256, dim=2048, heads=16, hidden=5632), "cpu": dict(batch=1, seq=4, dim=64,
                                                                                        heads=4, hidden=128)}
-BLOCK_LOOP = 200
+# Block steps per norm and mode, in rounds taken in turn with the other norm's. Between runs (other hosts,
+# other times) the two norms' compiled steps have swapped order by up to 15 %: the rounds' range goes with
+# each median.
+BLOCK_LOOP, BLOCK_ROUNDS = 600, 10
 
 
 @triton.jit
@@ -339,13 +343,15 @@ def block_table(device: str, log) -> list[dict]:
             except Exception as err:  # noqa: BLE001
                 row["status"] = error_status(err)
                 log(f"block {mode} with {norm} norm: {row['status']}")
-        for norm, got in timing.host_us_interleaved(steps, _sync(device), BLOCK_LOOP).items():
+        for norm, got in timing.host_us_rounds(steps, _sync(device), BLOCK_LOOP, BLOCK_ROUNDS).items():
             row = by_norm[norm]
             if isinstance(got, BaseException):
                 row["status"] = error_status(got)
                 log(f"block {mode} with {norm} norm: {row['status']}")
                 continue
-            row["wall_us"], row["issue_us"] = got
+            walls = [w for w, _ in got]
+            row["wall_us"], row["issue_us"] = statistics.median(walls), statistics.median(i for _, i in got)
+            row["wall_us_range"] = [min(walls), max(walls)]  # the rounds': differences inside it are noise
             try:
                 if mode == "reduce-overhead":  # already CUDA graphs, which cannot be captured again
                     row["device_us"] = timing.torch_eager_us([steps[norm]])

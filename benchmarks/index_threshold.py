@@ -3,7 +3,8 @@ inverse_permutation and generate_permute_indices timed in both regimes at slot c
 the main benchmark's routing (T tokens x top-8 over 8 ranks x 8 experts, alignment 16, bf16 rows of H).
 
 Per op, slot count and regime: device µs (a CUDA graph of one call, replayed under do_bench) and host wall µs
-per eager call (a tight loop, one synchronize; the two regimes taken in turn). The results of both regimes
+per eager call (a tight loop, one synchronize; the two regimes taken in turn), and the host's launch floor
+(an empty kernel through xkern's launcher): what one launch fewer saves depends on it. The results of both regimes
 are checked equal bit for bit (pure data movement) before anything is timed. Above 4096 slots the one-launch
 generate spills (its one block holds every slot; docs/design.md), so its rows there bound a looped form.
 
@@ -115,6 +116,20 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
     return rows
 
 
+def launch_floor_us(device: str) -> float:
+    """Host wall µs of an empty kernel launched through xkern's launcher. What a launch saves depends on it:
+    on the H200 machines lent so far it took 5.9-7.9 µs, and a second launch cost a call 10-15 µs there,
+    but about nothing on the machine of this benchmark's first run (docs/benchmarks.md, entry 18)."""
+    import torch
+
+    from benchmarks import timing
+    from benchmarks.host import _empty_launcher, _sync
+
+    x = torch.zeros(16, device=device)
+    launcher, index = _empty_launcher(), x.device.index
+    return timing.host_us_per_call(lambda: launcher([x], index), _sync(device), 2000)[0]
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| op | slots | one launch: device / wall µs | two launches: device / wall µs |", "|---|---|---|---|"]
     by = {}
@@ -140,11 +155,13 @@ def main() -> None:
     timing.set_smoke(device == "cpu")  # CPU: runs once, no timing is a measurement
     rows = measure([int(t) for t in args.tokens.split(",")], args.hidden, device)
     print(table(rows))
+    floor = launch_floor_us(device)
+    print(f"this host's floor: an empty kernel through xkern's launcher, {floor:.1f} µs per call")
     if args.out:
         name = torch.cuda.get_device_name().lower().replace(" ", "-") if device == "cuda" else "cpu"
         path = os.path.join(args.out, f"{name}-index-threshold.json")
         with open(path, "w") as f:
-            json.dump({"device": device, "rows": rows}, f, indent=1)
+            json.dump({"device": device, "launch_floor_us": floor, "rows": rows}, f, indent=1)
         print("wrote", path)
 
 

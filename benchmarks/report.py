@@ -138,9 +138,14 @@ def host_tables(results) -> list[str]:
         cfg = block[0]["config"]
         out += ["", f"**Llama-style block, forward + backward** (`torch.autograd.grad`; batch {cfg['batch']}, seq "
                 f"{cfg['seq']}, dim {cfg['dim']}, {cfg['heads']} heads, MLP {cfg['hidden']}, bf16): µs per step", ""]
-        out += _table(["mode", "norm", "wall µs", "issue µs", "device µs"],
-                      [[b["mode"], b["norm"], f"{b['wall_us']:.0f}", f"{b['issue_us']:.0f}",
-                        f"{b['device_us']:.0f}" if b.get("device_us") is not None else ""] for b in block])
+        out += _table(["mode", "norm", "wall µs (median)", "rounds' range", "issue µs", "device µs"],
+                      [[b["mode"], b["norm"], f"{b['wall_us']:.0f}",
+                        "{:.0f}–{:.0f}".format(*b["wall_us_range"]) if "wall_us_range" in b else "",
+                        f"{b['issue_us']:.0f}", f"{b['device_us']:.0f}" if b.get("device_us") is not None else ""]
+                       for b in block])
+        out += ["", "Each norm's steps are timed in rounds taken in turn with the other's; where two rounds' "
+                "ranges overlap, the difference between the medians is within this host's drift. Reduce-overhead "
+                "rows: the device column is do_bench of the graphs' replays, host-bound."]
     sharded = [r for r in results.get("sharded", []) if "device_us" in r]
     if sharded:
         out += ["", "**The sharded path on a 1-device mesh** (RMSNorm forward + backward, bf16): what the "
@@ -404,19 +409,33 @@ def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) 
     return md
 
 
+def _row_key(r: dict) -> tuple:
+    return r["op"], r["pass"], r["impl"], tuple(r["shape"]), r["dtype"]
+
+
 def merge(out_path: str, parts: list[str]) -> None:
-    """One sweep JSON from its parts: the first part's header, every part's rows and notes."""
-    merged = None
-    for part in parts:
+    """One sweep JSON from its parts: the first part's header, every part's rows and notes. A row of a later
+    part replaces an earlier one of the same case and implementation (a `--widths` re-run of some widths
+    after a plan change); each replacement is listed in `replaced`, with the commit that measured it."""
+    with open(parts[0]) as f:
+        merged = json.load(f)
+    names = merged.get("parts") or [os.path.basename(parts[0])]  # the first may be a merged sweep already
+    merged.setdefault("replaced", [])
+    for part in parts[1:]:
         with open(part) as f:
             res = json.load(f)
-        if merged is None:
-            merged = res
-        else:
-            merged["rows"] += res["rows"]
-            merged["skipped"] += res.get("skipped", [])
-            merged["wall_s"] = merged.get("wall_s", 0) + res.get("wall_s", 0)
-    merged["parts"] = [os.path.basename(p) for p in parts]
+        where = {_row_key(r): i for i, r in enumerate(merged["rows"])}
+        for r in res["rows"]:
+            if _row_key(r) in where:
+                merged["rows"][where[_row_key(r)]] = r
+                merged["replaced"].append({"case": "/".join(map(str, _row_key(r))), "by": os.path.basename(part),
+                                           "commit": res.get("commit")})
+            else:
+                merged["rows"].append(r)
+        merged["skipped"] += res.get("skipped", [])
+        merged["wall_s"] = merged.get("wall_s", 0) + res.get("wall_s", 0)
+        names.append(os.path.basename(part))
+    merged["parts"] = names
     with open(out_path, "w") as f:
         json.dump(merged, f, indent=1)
 

@@ -179,11 +179,11 @@ def host_us_per_call(call, sync, n: int = 2000) -> tuple[float, float]:
     return 1e6 * (end - start) / n, 1e6 * (issued - start) / n
 
 
-def host_us_interleaved(calls: dict, sync, n: int = 2000, rounds: int = 5) -> dict:
-    """`host_us_per_call` of several calls measured in turn: `rounds` rounds of `n / rounds` calls of each,
-    the median per call. The host's speed drifts by tens of percent within minutes; taken in turn, the calls
-    compared see the same drift. Returns {key: (wall, issue)} or {key: exception} for a call that raised
-    (it is left out of the later rounds)."""
+def host_us_rounds(calls: dict, sync, n: int = 2000, rounds: int = 5) -> dict:
+    """`host_us_per_call` of several calls measured in turn: `rounds` rounds of `n / rounds` calls of each.
+    The host's speed drifts by tens of percent within minutes; taken in turn, the calls compared see the
+    same drift. Returns {key: [(wall, issue) per round]} or {key: exception} for a call that raised (it is
+    left out of the later rounds)."""
     rounds = 1 if _smoke else rounds
     per_round = max(1, n // rounds)
     got: dict = {key: [] for key in calls}
@@ -195,8 +195,14 @@ def host_us_interleaved(calls: dict, sync, n: int = 2000, rounds: int = 5) -> di
                 got[key].append(host_us_per_call(call, sync, per_round))
             except Exception as err:  # noqa: BLE001 - one failing call must not stop the others
                 got[key] = err
+    return got
+
+
+def host_us_interleaved(calls: dict, sync, n: int = 2000, rounds: int = 5) -> dict:
+    """`host_us_rounds`, the median per call: {key: (wall, issue)} or {key: exception}."""
     return {key: v if isinstance(v, BaseException) else
-            (statistics.median(w for w, _ in v), statistics.median(i for _, i in v)) for key, v in got.items()}
+            (statistics.median(w for w, _ in v), statistics.median(i for _, i in v))
+            for key, v in host_us_rounds(calls, sync, n, rounds).items()}
 
 
 def error_status(err: BaseException) -> str:

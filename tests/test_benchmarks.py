@@ -160,6 +160,7 @@ def test_index_threshold_times_both_regimes():
     timing.set_smoke(True)
     try:
         rows = index_threshold.measure([4], 16, DEVICE, log=lambda *_: None)
+        assert index_threshold.launch_floor_us(DEVICE) > 0
     finally:
         timing.set_smoke(False)
     assert XP.ONE_LAUNCH_SLOTS == saved
@@ -225,3 +226,45 @@ def test_sweep_widths_select_cases_and_name_the_output():
     assert everything and picked == everything and not none
     assert all(case.shape[-1] == 96 for _, case, _ in picked)
     assert main.output_stem("NVIDIA H200", args("96")).startswith("nvidia-h200-sweep-subset")
+
+
+def test_merge_replaces_rows_of_a_later_part(tmp_path):
+    """`report.merge`: a later part's row of the same case and implementation replaces the earlier one (a
+    `--widths` re-run after a plan change), is listed in `replaced`; other rows are kept or appended."""
+    from benchmarks import report
+
+    def row(impl, width, us):
+        return {"op": "rms_norm", "pass": "bwd", "impl": impl, "shape": [8, width], "dtype": "bfloat16", "us": us}
+
+    first = {"commit": "a", "rows": [row("xkern (torch)", 64, 2.0), row("quack", 64, 1.5)], "skipped": [],
+             "parts": ["p1.json", "p2.json"]}
+    later = {"commit": "b", "rows": [row("xkern (torch)", 64, 1.0), row("xkern (torch)", 32, 3.0)], "skipped": []}
+    paths = [tmp_path / "sweep.json", tmp_path / "subset.json"]
+    for path, res in zip(paths, (first, later), strict=True):
+        path.write_text(json.dumps(res))
+    report.merge(str(paths[0]), [str(p) for p in paths])
+    merged = json.loads(paths[0].read_text())
+    assert [(r["impl"], r["shape"][1], r["us"]) for r in merged["rows"]] == [
+        ("xkern (torch)", 64, 1.0), ("quack", 64, 1.5), ("xkern (torch)", 32, 3.0)]
+    assert merged["replaced"] == [{"case": "rms_norm/bwd/xkern (torch)/(8, 64)/bfloat16", "by": "subset.json",
+                                   "commit": "b"}]
+    assert merged["parts"] == ["p1.json", "p2.json", "subset.json"]
+
+
+def test_plan_probe_times_candidates_and_restores_the_plan():
+    """`benchmarks.plan_probe`: the plan and each candidate run through the torch front end (the candidate's
+    results close to the plan's), and the plan is back in place afterwards."""
+    from benchmarks import plan_probe, timing
+    from xkern import rms_norm as XR
+
+    timing.set_smoke(True)
+    try:
+        rows = plan_probe.time_case("bwd", 40, 64, "bfloat16", [("tile", None, plan_probe.bwd_tile(16, 1, 16))],
+                                    DEVICE, log=lambda *_: None)
+        rows += plan_probe.time_case("fwd", 3, 256, "bfloat16", [("chunked", plan_probe.fwd_chunked(2, 64, 1), None)],
+                                     DEVICE, log=lambda *_: None)
+    finally:
+        timing.set_smoke(False)
+    assert [r["candidate"] for r in rows] == ["plan", "tile", "plan", "chunked"]
+    assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in rows), rows
+    assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD

@@ -1,0 +1,137 @@
+"""Candidate launch plans put in place of xkern's plan and timed exactly as the sweep times xkern (the torch
+front end's eager executors, a CUDA graph of the pass, `runner.torch_make_calls`), at the sweep's size
+(x of 2**26 elements). Unlike `tune_rms_norm` (kernels launched alone), this times the whole call, dw
+reduction included, through the path users take. Each candidate's results are compared with the plan's
+(max abs difference; the suite checks the plan finally chosen against the oracle).
+
+    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd] [--out DIR]
+
+Sets (session 16, docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
+at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
+persistent chunked kernel at 32768 and 65536.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from xkern import rms_norm as XR
+from xkern.launch import NUM_SMS, Launch, cdiv
+
+PLAN_FWD, PLAN_BWD = XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd
+
+
+def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
+    """The backward tile kernel with these tiles (the plan's kernel and BLOCK_N), its dw reduction resized."""
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+        p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
+        groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * per_sm))
+        bwd = dataclasses.replace(p.bwd, grid=(groups, n_batch), num_warps=num_warps,
+                                  constexprs={**p.bwd.constexprs, "BLOCK_M": block_m, "PREFETCH": prefetch})
+        return XR.BwdPlan(None, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+    return plan
+
+
+def fwd_row(num_warps: int, reload: bool):
+    def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
+        p = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant)
+        return dataclasses.replace(p, num_warps=num_warps, constexprs={**p.constexprs, "RELOAD": reload})
+    return plan
+
+
+def fwd_chunked(programs: int, chunk: int, num_warps: int):
+    def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
+        c = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant).constexprs
+        fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+        return Launch(XR._rms_norm_fwd_chunked_kernel, (min(n_rows, programs),), num_warps,
+                      {**fixed, "BLOCK_N": chunk})
+    return plan
+
+
+def _use(fwd=None, bwd=None) -> None:
+    """These plans in xkern.rms_norm (None: the plan's), the recipes and torch executors built on them dropped."""
+    torch_rms = sys.modules["torch_api.rms_norm"]
+    XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd = fwd or PLAN_FWD, bwd or PLAN_BWD
+    XR.rms_norm_fwd_recipe.cache_clear()
+    XR.rms_norm_bwd_recipe.cache_clear()
+    torch_rms._FORWARDS.clear()
+    torch_rms._BACKWARDS.clear()
+
+
+def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: str, log=print) -> list[dict]:
+    """Rows of device µs per call: the plan first (a None candidate), then each (name, fwd plan, bwd plan)."""
+    import torch
+
+    import torch_api  # noqa: F401 - registers torch_api.rms_norm
+    from benchmarks import rms_norm as RN
+    from benchmarks import timing
+    from benchmarks.runner import Inputs, torch_make_calls
+
+    g = torch.Generator(device=device).manual_seed(n)
+    x, cot = (torch.randn(m, n, generator=g, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    w = torch.randn(n, generator=g, device=device, dtype=x.dtype)
+    rows, base = [], None
+    try:
+        for name, fwd, bwd in [("plan", None, None), *candidates]:
+            _use(fwd, bwd)
+            row = {"pass": pass_, "shape": [m, n], "dtype": dtype, "candidate": name}
+            try:
+                if pass_ == "fwd":
+                    got = [RN.xkern_torch(x, w)]
+                else:
+                    leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+                    got = list(torch.autograd.grad(RN.xkern_torch(*leaves), leaves, cot))
+                base = base or got
+                row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, base))
+                row["us"] = timing.torch_device_us(torch_make_calls(RN.xkern_torch, pass_, Inputs([([x, w], cot)])))[0]
+            except Exception as err:  # noqa: BLE001 - a candidate that fails to compile or run is a result
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            log(json.dumps(row))
+            rows.append(row)
+    finally:
+        _use()
+    return rows
+
+
+def candidate_sets() -> dict:
+    tiles64 = [(64, 2, 4, False), (64, 2, 6), (64, 2, 8), (128, 4, 2), (128, 4, 3), (128, 2, 4), (32, 1, 8),
+               (32, 1, 12), (32, 2, 8), (256, 8, 1), (256, 4, 2), (64, 4, 4), (16, 1, 16), (16, 1, 12), (16, 1, 20),
+               (16, 1, 24), (16, 1, 32), (8, 1, 32), (32, 1, 16)]
+    tiles128 = [(32, 2, 4, False), (32, 2, 6), (32, 2, 8), (64, 4, 2), (64, 4, 3), (16, 1, 8), (16, 1, 12),
+                (32, 4, 4), (64, 2, 4), (16, 2, 8), (8, 1, 16)]
+    near = [(f"tile{t}", None, bwd_tile(*t)) for t in [(64, 2, 4), (16, 1, 16), (16, 1, 20), (16, 1, 24)]]
+    wide = [("row 32 warps, no reload", fwd_row(32, False), None), ("row 16 warps, reload", fwd_row(16, True), None)]
+    wide += [(f"chunked{c}", fwd_chunked(*c), None) for c in [(132, 16384, 32), (264, 16384, 32), (132, 8192, 16),
+                                                                (264, 8192, 16), (264, 8192, 8), (528, 8192, 8)]]
+    return {
+        "narrow-bwd": [("bwd", 1 << 20, 64, "bfloat16", [(f"tile{t}", None, bwd_tile(*t)) for t in tiles64]),
+                       ("bwd", 1 << 19, 128, "bfloat16", [(f"tile{t}", None, bwd_tile(*t)) for t in tiles128])],
+        "narrow-bwd-widths": [("bwd", (1 << 26) // w, w, dt, near) for w, dt in
+                              [(64, "float16"), (48, "bfloat16"), (40, "bfloat16"), (32, "bfloat16")]],
+        "wide-fwd": [("fwd", (1 << 26) // w, w, "bfloat16", wide) for w in (65536, 32768)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--set", default="narrow-bwd", choices=sorted(candidate_sets()))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    import torch
+
+    from benchmarks import timing
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timing.set_smoke(device == "cpu")  # CPU: runs once, no timing is a measurement
+    rows = [r for case in candidate_sets()[args.set] for r in time_case(*case, device)]
+    if args.out:
+        with open(os.path.join(args.out, f"plan-probe-{args.set}.json"), "w") as f:
+            json.dump({"set": args.set, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
