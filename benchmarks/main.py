@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
+import hashlib
 import json
 import os
 import platform
@@ -80,6 +82,16 @@ def versions() -> dict:
     except Exception:  # noqa: BLE001 - informational only
         pass
     return out
+
+
+def kernels_sha() -> str:
+    """The first 12 hex digits of a sha256 over xkern/*.py: names the kernels and plans measured even where git
+    names another commit (the device tool's copy reports the session's base commit plus changes)."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(ROOT, "xkern", "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:12]
 
 
 def commit() -> str | None:
@@ -170,7 +182,8 @@ def run(args) -> int:
     out_dir = args.out or (RESULTS if GPU and not args.smoke else None)
     json_path = os.path.join(out_dir, output_stem(gpu, args) + ".json") if out_dir else None
     results = {
-        "gpu": gpu, "date": date, "commit": commit(), "versions": versions(), "mode": mode, "smoke": timing.smoke(),
+        "gpu": gpu, "date": date, "commit": commit(), "xkern_sha": kernels_sha(), "versions": versions(), "mode": mode,
+        "smoke": timing.smoke(),
         "method": {
             "bytes": "minimum bytes: each input read once, each output written once (see docs/benchmarks.md)",
             "torch": "CUDA graph of the pass (one call per rotated input set) replayed under triton do_bench, "

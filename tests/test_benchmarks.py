@@ -26,6 +26,7 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     (path,) = tmp_path.glob("*.json")
     results = json.loads(path.read_text())
+    assert len(results["xkern_sha"]) == 12
     rows = results["rows"]
     for op in ("rms_norm", "permute_rows", "unpermute_rows"):
         for impl in ("xkern (torch)", "xkern (jax)"):
