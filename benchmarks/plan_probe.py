@@ -4,11 +4,12 @@ front end's eager executors, a CUDA graph of the pass, `runner.torch_make_calls`
 reduction included, through the path users take. Each candidate's results are compared with the plan's
 (max abs difference; the suite checks the plan finally chosen against the oracle).
 
-    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd] [--out DIR]
+    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload] [--out DIR]
 
 Sets (session 16, docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
-persistent chunked kernel at 32768 and 65536.
+persistent chunked kernel at 32768 and 65536; the forward's row kernel reading x twice at the widths it
+now takes in SPLIT blocks holding the row (not yet run: session 17's first call).
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def fwd_row(num_warps: int, reload: bool):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         p = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant)
         return dataclasses.replace(p, num_warps=num_warps, constexprs={**p.constexprs, "RELOAD": reload})
+    return plan
+
+
+def fwd_split(block_n: int, split: int, num_warps: int, reload: bool = True):
+    """The forward's row kernel over SPLIT blocks of BLOCK_N, reading x twice or holding the row."""
+    def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
+        c = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant).constexprs
+        fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+        return Launch(XR._rms_norm_fwd_row_kernel, (n_rows,), num_warps,
+                      {**fixed, "BLOCK_N": block_n, "SPLIT": split, "RELOAD": reload})
     return plan
 
 
@@ -113,6 +124,15 @@ def candidate_sets() -> dict:
         "narrow-bwd-widths": [("bwd", (1 << 26) // w, w, dt, near) for w, dt in
                               [(64, "float16"), (48, "bfloat16"), (40, "bfloat16"), (32, "bfloat16")]],
         "wide-fwd": [("fwd", (1 << 26) // w, w, "bfloat16", wide) for w in (65536, 32768)],
+        # The row kernel reading x twice at the SPLIT widths, where holding the row costs occupancy (ptxas for
+        # sm_90 on the CPU machine: 39-64 registers, 32-50 warps per SM; reading twice: 22-32 registers, 64
+        # warps per SM but at 14336 with 16 warps), and 65536 in blocks (58 registers and one program per SM
+        # as one block; 32 and two programs as 4 x 16384).
+        "split-reload": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x{k} {nw}w reload", fwd_split(b, k, nw), None)
+                                                                 for b, k, nw in c]) for w, c in (
+            (1536, [(512, 3, 2)]), (2560, [(512, 5, 2)]), (3072, [(1024, 3, 4)]), (5120, [(1024, 5, 4)]),
+            (6144, [(2048, 3, 8)]), (12288, [(4096, 3, 16)]), (14336, [(4096, 4, 16), (2048, 7, 8), (4096, 4, 32)]),
+            (18432, [(4096, 5, 16)]), (65536, [(16384, 4, 32), (8192, 8, 32)]))],
     }
 
 

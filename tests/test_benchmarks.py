@@ -262,10 +262,11 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     try:
         rows = plan_probe.time_case("bwd", 40, 64, "bfloat16", [("tile", None, plan_probe.bwd_tile(16, 1, 16))],
                                     DEVICE, log=lambda *_: None)
-        rows += plan_probe.time_case("fwd", 3, 256, "bfloat16", [("chunked", plan_probe.fwd_chunked(2, 64, 1), None)],
+        rows += plan_probe.time_case("fwd", 3, 256, "bfloat16", [("chunked", plan_probe.fwd_chunked(2, 64, 1), None),
+                                                                 ("split", plan_probe.fwd_split(64, 4, 1), None)],
                                      DEVICE, log=lambda *_: None)
     finally:
         timing.set_smoke(False)
-    assert [r["candidate"] for r in rows] == ["plan", "tile", "plan", "chunked"]
+    assert [r["candidate"] for r in rows] == ["plan", "tile", "plan", "chunked", "split"]
     assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in rows), rows
     assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
