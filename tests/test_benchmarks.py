@@ -270,3 +270,21 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     assert [r["candidate"] for r in rows] == ["plan", "tile", "plan", "chunked", "split"]
     assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in rows), rows
     assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
+
+
+def test_placement_moves_buffers_not_results():
+    """`benchmarks.placement`: each layout carves the recipe's buffers at its gaps in one pool; every layout
+    runs the recipe to the same results bit for bit (the benchmark's check that only placement changed)."""
+    from benchmarks import placement, timing
+
+    timing.set_smoke(True)
+    try:
+        rows = placement.measure([64], "bwd", 64 * 40, DEVICE, log=lambda *_: None)
+        rows += placement.measure([300], "fwd", 300 * 3, DEVICE, log=lambda *_: None)
+    finally:
+        timing.set_smoke(False)
+    assert [r["layout"] for r in rows] == list(placement.LAYOUTS) * 2
+    assert all(r["same_result"] and r["us"] > 0 for r in rows), rows
+    pool = torch.empty(1 << 20, dtype=torch.uint8)
+    got = placement.carve(pool, {"b": 1000}, [("a", (10,), torch.bfloat16), ("b", (4,), torch.float32)])
+    assert got["b"].data_ptr() - got["a"].data_ptr() == 1024  # a's 20 bytes and the gap, rounded up to 256
