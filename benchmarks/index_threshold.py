@@ -19,12 +19,16 @@ import functools
 import json
 import os
 
-REGIMES = {"one launch": 1 << 30, "two launches": 0}  # ONE_LAUNCH_SLOTS forcing each regime
+# (ONE_LAUNCH_SLOTS, SEARCH_ROWS) forcing each regime; the second one-launch form gives the searches 16 rows
+# per program instead of 64: 4x the programs, each scanning the slots in 4x fewer steps (the same compares
+# per thread), for the inverse's search, which 64-row programs leave at 8 programs for 512 rows.
+REGIMES = {"one launch": (1 << 30, None), "one launch, 16-row searches": (1 << 30, 16), "two launches": (0, None)}
 
 
 @contextlib.contextmanager
-def regime(slots_limit: int):
-    """Every index op planned with ONE_LAUNCH_SLOTS = `slots_limit` (recipes and eager executors rebuilt)."""
+def regime(slots_limit: int, search_rows: int | None = None):
+    """Every index op planned with ONE_LAUNCH_SLOTS = `slots_limit` and SEARCH_ROWS = `search_rows` (None: the
+    plan's), recipes and eager executors rebuilt."""
     from torch_api import permute as TP
     from xkern import permute as XP
 
@@ -33,13 +37,13 @@ def regime(slots_limit: int):
             recipe.cache_clear()
         TP._EXECUTORS.clear()
 
-    saved = XP.ONE_LAUNCH_SLOTS
-    XP.ONE_LAUNCH_SLOTS = slots_limit
+    saved = XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS
+    XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = slots_limit, search_rows or XP.SEARCH_ROWS
     clear()
     try:
         yield
     finally:
-        XP.ONE_LAUNCH_SLOTS = saved
+        XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = saved
         clear()
 
 
@@ -90,8 +94,8 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
     from torch_api import permute as TP
 
     results, devices, calls, counts = {}, {}, {}, {}
-    for name, limit in REGIMES.items():
-        with regime(limit):
+    for name, (limit, search_rows) in REGIMES.items():
+        with regime(limit, search_rows):
             n_pad, ops = _calls(t, h, device)
             executors, counts[name], results[name] = {}, {}, {}
             for op, call in ops.items():  # each op's executors built alone, to count its launches
@@ -102,8 +106,8 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
             bound = {op: _bound(call, executors) for op, call in ops.items()}
             devices[name] = {op: timing.torch_device_us(lambda call=call: [call])[0] for op, call in bound.items()}
             calls.update({(op, name): call for op, call in bound.items()})  # host: timed in turn below
-    for op in results["one launch"]:
-        if not torch.equal(results["one launch"][op], results["two launches"][op]):
+    for op in results["two launches"]:
+        if not all(torch.equal(got[op], results["two launches"][op]) for got in results.values()):
             raise AssertionError(f"{op} at {n_pad} slots: the regimes' results differ")
     rows = []
     for (op, name), got in timing.host_us_interleaved(calls, _sync(device)).items():
@@ -112,7 +116,7 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
         rows.append({"op": op, "regime": name, "tokens": t, "slots": n_pad, "hidden": h,
                      "launches": counts[name][op], "device_us": devices[name][op], "wall_us": got[0],
                      "issue_us": got[1]})
-        log(f"{op:25s} {n_pad:6d} slots  {name:12s}  device {devices[name][op]:7.1f} µs  wall {got[0]:6.1f} µs")
+        log(f"{op:25s} {n_pad:6d} slots  {name:27s}  device {devices[name][op]:7.1f} µs  wall {got[0]:6.1f} µs")
     return rows
 
 
@@ -131,7 +135,8 @@ def launch_floor_us(device: str) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| op | slots | one launch: device / wall µs | two launches: device / wall µs |", "|---|---|---|---|"]
+    lines = ["| op | slots | " + " | ".join(f"{k}: device / wall µs" for k in REGIMES) + " |",
+             "|---|---|" + "---|" * len(REGIMES)]
     by = {}
     for r in rows:
         by.setdefault((r["op"], r["slots"]), {})[r["regime"]] = r

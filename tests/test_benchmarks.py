@@ -168,7 +168,9 @@ def test_index_threshold_times_both_regimes():
     assert {(r["op"], r["regime"]) for r in rows} == {(op, regime) for op in (
         "unpermute_rows", "inverse_permutation", "generate_permute_indices") for regime in index_threshold.REGIMES}
     assert all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
-    assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("two launches", 2)}
+    assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("one launch, 16-row searches", 1),
+                                                           ("two launches", 2)}
+    assert XP.SEARCH_ROWS == 64
     assert "| unpermute_rows |" in index_threshold.table(rows)
 
 
