@@ -437,6 +437,28 @@ def test_four_byte_elements_take_the_chunked_forward_above_32768():
         assert same_bits(a, b)
 
 
+@pytest.mark.parametrize("width, block, split", [(2560, 512, 5), (1536, 512, 3), (300, 64, 5), (65536, 16384, 4)])
+def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split):
+    """The forward's row kernel over SPLIT blocks gives the same bits reading x a second time (RELOAD) as
+    holding the row: the same sums in the same order (the split-reload plans of docs/benchmarks.md, entry 18,
+    checked here before any GPU time decides them)."""
+    import dataclasses
+
+    rows = 2
+    x, w, _ = (to_torch(a) for a in _inputs(_rng("reload", width), (rows, width), "bfloat16"))
+    row = plan_rms_norm_fwd(rows, 1024, EPS)  # the row kernel (narrower widths plan the tile kernel)
+    fixed = {k: plan_rms_norm_fwd(rows, width, EPS).constexprs[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+    held = dataclasses.replace(row, grid=(rows,), num_warps=max(1, block // 512),
+                               constexprs={**fixed, "BLOCK_N": block, "SPLIT": split, "RELOAD": False})
+    ys = []
+    for p in (held, dataclasses.replace(held, constexprs={**held.constexprs, "RELOAD": True})):
+        y = torch.full_like(x, float("nan"))
+        launch(p, x, w, y, n_rows=rows, n_cols=width, x_row_stride=width, y_row_stride=width)
+        ys.append(y)
+    assert same_bits(ys[0], ys[1])
+    R.check(to_numpy(ys[1]), R.rms_norm_fwd(to_numpy(x), to_numpy(w), EPS), "fwd")
+
+
 def test_split_rows_cover_every_width_within_the_register_budget():
     """Every width from 1 to 20000: the row kernels' SPLIT blocks cover the row exactly once (the last block
     may be ragged, never empty) and hold at most 40 (forward) or 24 (backward) elements per thread per tensor;
