@@ -49,6 +49,12 @@ def _empty_launcher():
     return _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
 
 
+def xkern_launch_floor(x):
+    """A call launching the empty kernel on `x` through xkern's launcher: the host's launch floor."""
+    launcher, index = _empty_launcher(), x.device.index
+    return lambda: launcher([x], index)
+
+
 @functools.cache
 def _empty_op():
     import torch
@@ -72,9 +78,7 @@ def _device_time(call) -> dict:
     host's)."""
     make = getattr(call, "device_calls", None) or (lambda: [call])
     try:
-        us, how = timing.torch_device_us(make)
-        if how.startswith("do_bench of eager calls"):
-            return {"timing": how}
+        us, how = timing.torch_device_us(make, eager_fallback=False)
         return {"device_us": us, "timing": how}
     except Exception as err:  # noqa: BLE001 - one failing entry must not lose the table
         return {"timing": error_status(err)}
@@ -222,8 +226,7 @@ def _floor_entries(device: str):
     yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
     yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
     # The launch path xkern's eager calls take (a prebuilt argument list, Triton's C launcher).
-    launcher, index = _empty_launcher(), x.device.index
-    yield "floor", "fwd", "empty Triton kernel, xkern's launcher", "x 16 fp32", lambda: launcher([x], index)
+    yield "floor", "fwd", "empty Triton kernel, xkern's launcher", "x 16 fp32", xkern_launch_floor(x)
     # What any Python-defined differentiable op of (x, w) pays in a torch.autograd.grad step before its own
     # work: the autograd.Function machinery and one allocation per result.
     xg, wg, dy = x.clone().requires_grad_(), x.clone().requires_grad_(), torch.ones_like(x)
@@ -357,7 +360,8 @@ def block_table(device: str, log) -> list[dict]:
                     row["device_us"] = timing.torch_eager_us([steps[norm]])
                     row["timing"] = "do_bench of the compiled graphs' replays"
                 else:
-                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=steps[norm]: [step])
+                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=steps[norm]: [step],
+                                                                             eager_fallback=False)
             except Exception as err:  # noqa: BLE001
                 row["timing"] = error_status(err)
             device_us = f"{row['device_us']:.0f} µs" if "device_us" in row else row.get("timing")

@@ -104,7 +104,8 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
                 counts[name][op] = sum(ex.launches for ex in TP._EXECUTORS.values())
                 executors.update(TP._EXECUTORS)
             bound = {op: _bound(call, executors) for op, call in ops.items()}
-            devices[name] = {op: timing.torch_device_us(lambda call=call: [call])[0] for op, call in bound.items()}
+            devices[name] = {op: timing.torch_device_us(lambda call=call: [call], eager_fallback=False)[0]
+                             for op, call in bound.items()}
             calls.update({(op, name): call for op, call in bound.items()})  # host: timed in turn below
     for op in results["two launches"]:
         if not all(torch.equal(got[op], results["two launches"][op]) for got in results.values()):
@@ -127,11 +128,9 @@ def launch_floor_us(device: str) -> float:
     import torch
 
     from benchmarks import timing
-    from benchmarks.host import _empty_launcher, _sync
+    from benchmarks.host import _sync, xkern_launch_floor
 
-    x = torch.zeros(16, device=device)
-    launcher, index = _empty_launcher(), x.device.index
-    return timing.host_us_per_call(lambda: launcher([x], index), _sync(device), 2000)[0]
+    return timing.host_us_per_call(xkern_launch_floor(torch.zeros(16, device=device)), _sync(device), 2000)[0]
 
 
 def table(rows: list[dict]) -> str:

@@ -39,8 +39,9 @@ def torch_times(m: int, n: int, k: int) -> dict:
             return c
         return [call]
 
-    single, _ = timing.torch_device_us(torch_make_calls(RN.xkern_torch, "bwd", Inputs([([x, w], cot)])))  # the sweep's
-    chain, _ = timing.torch_device_us(chained)
+    single, _ = timing.torch_device_us(torch_make_calls(RN.xkern_torch, "bwd", Inputs([([x, w], cot)])),
+                                       eager_fallback=False)  # the sweep's
+    chain, _ = timing.torch_device_us(chained, eager_fallback=False)
     return {"torch, one call per replay (sweep)": single, f"torch, {k} chained calls per replay": chain / k}
 
 

@@ -98,7 +98,8 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
                     got = list(torch.autograd.grad(RN.xkern_torch(*leaves), leaves, cot))
                 base = base or got
                 row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, base))
-                row["us"] = timing.torch_device_us(torch_make_calls(RN.xkern_torch, pass_, Inputs([([x, w], cot)])))[0]
+                row["us"] = timing.torch_device_us(torch_make_calls(RN.xkern_torch, pass_, Inputs([([x, w], cot)])),
+                                                   eager_fallback=False)[0]
             except Exception as err:  # noqa: BLE001 - a candidate that fails to compile or run is a result
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
             log(json.dumps(row))

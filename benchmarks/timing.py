@@ -95,9 +95,11 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
 
-def torch_device_us(make_calls) -> tuple[float, str]:
+def torch_device_us(make_calls, eager_fallback: bool = True) -> tuple[float, str]:
     """Device time per call. `make_calls()` runs on the capture stream (so a forward made there is the one
-    autograd replays on that stream) and returns one zero-argument callable per input set."""
+    autograd replays on that stream) and returns one zero-argument callable per input set. Where the CUDA
+    graph capture fails: the calls timed eagerly, said so in the method (`eager_fallback`, the benchmark's
+    peers), or the capture's error raised (tools whose number must be device time)."""
     import torch
 
     if _smoke and not torch.cuda.is_available():
@@ -120,6 +122,8 @@ def torch_device_us(make_calls) -> tuple[float, str]:
     except Exception as err:  # noqa: BLE001 - any capture failure: time eagerly and say so
         del graph
         torch.cuda.synchronize()
+        if not eager_fallback:
+            raise
         us = torch_eager_us(calls)
         return us, f"do_bench of eager calls (CUDA graph capture failed: {_short(err)})"
     us = do_bench_us(graph.replay) / len(calls)
