@@ -618,12 +618,14 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     block_n = next_pow2(n_cols)
     if n_cols >= FWD_TILE_BELOW:
         # A row per program. Other widths: SPLIT blocks of up to 4096 (split_row), 8 elements per thread per
-        # block, at most 40 in all (more spill; the power-of-two block then, as at 24576).
+        # block, at most 40 in all (more spill; the power-of-two block then, as at 24576). Three blocks read x
+        # twice (0.4-3 % faster at 1536-12288); at four or more the second pass was level or slower
+        # (docs/benchmarks.md, entry 19).
         block, split = split_row(n_cols, 4096)
         num_warps = max(2, block // 256)
         if split > 1 and split * block // (32 * num_warps) <= 40:
             return Launch(_rms_norm_fwd_row_kernel, (n_rows,), num_warps,
-                          {**fixed, "BLOCK_N": block, "SPLIT": split, "RELOAD": False})
+                          {**fixed, "BLOCK_N": block, "SPLIT": split, "RELOAD": split == 3})
         # powers of two: 16 elements per thread up to 16384, then 32 warps
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
                       {**fixed, "BLOCK_N": block_n, "SPLIT": 1, "RELOAD": block_n in _FWD_RELOAD})
