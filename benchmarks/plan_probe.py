@@ -4,7 +4,8 @@ front end's eager executors, a CUDA graph of the pass, `runner.torch_make_calls`
 reduction included, through the path users take. Each candidate's results are compared with the plan's
 (max abs difference; the suite checks the plan finally chosen against the oracle).
 
-    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload] [--out DIR]
+    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split]
+                                    [--out DIR]
 
 Sets (session 16, docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
@@ -135,6 +136,14 @@ def candidate_sets() -> dict:
             (5120, [(1024, 5, 4), (1024, 5, 8)]), (6144, [(2048, 3, 8), (2048, 3, 16), (1024, 6, 8)]),
             (12288, [(4096, 3, 16), (4096, 3, 32)]), (14336, [(4096, 4, 16), (2048, 7, 8), (4096, 4, 32)]),
             (18432, [(4096, 5, 16), (4096, 5, 32)]), (65536, [(16384, 4, 32), (8192, 8, 32)]))],
+        # Session 17: the forwards still under 0.90 after split-reload (5120, 14336, 16384, 18432): blocks of
+        # 2048 at 16 warps (no masked lanes at 14336 and 18432, 28-36 elements per thread), held or read twice.
+        "wide-split": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x{k} {nw}w {'reload' if r else 'held'}",
+                                                                fwd_split(b, k, nw, r), None) for b, k, nw, r in c])
+                       for w, c in ((5120, [(1024, 5, 8, True), (1024, 5, 4, True)]),
+                                    (14336, [(2048, 7, 16, False), (2048, 7, 16, True), (4096, 4, 16, True)]),
+                                    (16384, [(4096, 4, 16, False), (4096, 4, 16, True), (2048, 8, 16, False)]),
+                                    (18432, [(2048, 9, 16, False), (2048, 9, 16, True), (4096, 5, 32, True)]))],
     }
 
 
