@@ -143,7 +143,9 @@ def candidate_sets() -> dict:
                        for w, c in ((5120, [(1024, 5, 8, True), (1024, 5, 4, True)]),
                                     (14336, [(2048, 7, 16, False), (2048, 7, 16, True), (4096, 4, 16, True)]),
                                     (16384, [(4096, 4, 16, False), (4096, 4, 16, True), (2048, 8, 16, False)]),
-                                    (18432, [(2048, 9, 16, False), (2048, 9, 16, True), (4096, 5, 32, True)]))],
+                                    (18432, [(2048, 9, 16, False), (2048, 9, 16, True), (4096, 5, 32, True)]))]
+        + [("fwd", 4096, 16384, "bfloat16", [("row 32 warps, reload", fwd_row(32, True), None),
+                                             ("row 16 warps, reload", fwd_row(16, True), None)])],
     }
 
 
