@@ -479,6 +479,20 @@ def test_split_rows_cover_every_width_within_the_register_budget():
             assert n & (n - 1) or split == 1, (n, plan)
 
 
+def test_forward_reads_x_twice_where_the_sweep_measured_it_faster():
+    """The forward's rule for reading x a second time (docs/benchmarks.md, entries 7 and 19): rows of three
+    SPLIT blocks, and rows in one block of 4096, 8192, 32768 or 65536 (padded); no other row-kernel width."""
+    for n in range(768, 65537, 64):
+        plan = plan_rms_norm_fwd(64, n, EPS)
+        if plan.kernel.fn.__name__ != "_rms_norm_fwd_row_kernel":
+            continue
+        split = plan.constexprs["SPLIT"]
+        expected = split == 3 if split > 1 else plan.constexprs["BLOCK_N"] in (4096, 8192, 32768, 65536)
+        assert plan.constexprs["RELOAD"] == expected, (n, plan)
+    assert [plan_rms_norm_fwd(64, n, EPS).constexprs["RELOAD"] for n in (1536, 3072, 6144, 12288, 5120, 14336)] == [
+        True, True, True, True, False, False]
+
+
 def test_eager_training_step_takes_the_direct_path():
     """Plain tensors in eager: autograd's C++ apply (Function.apply's Python wrapper rebinds the arguments
     through inspect.signature on every call, a third of the step's host time on the H200) and the cached
