@@ -10,7 +10,7 @@ every case of every op (`benchmarks/runner.py`: each xkern result checked before
 README's benchmarks section, and prints the tables last. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
 and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`; `--widths`: only those widths,
-into `<gpu>-sweep-subset.json`, to re-measure a plan change with every peer in one short call). `--host`: the
+into `<gpu>-sweep-w<widths>.json`, to re-measure a plan change with every peer in one short call). `--host`: the
 host-cost and block tables alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to
 the call path).
 
@@ -158,8 +158,9 @@ def plan(args) -> tuple[str, list]:
 def output_stem(gpu: str, args) -> str:
     stem = gpu.lower().replace(" ", "-")
     if args.sweep:
-        stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "") + \
-            ("-subset" if args.widths else "")
+        stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
+        if args.widths:  # named by its widths: a later re-run of other widths does not overwrite it
+            stem += "-w" + "-".join(map(str, sorted({int(w) for w in args.widths.split(",")})))
     elif args.quick:
         stem += "-quick"
     elif args.host:

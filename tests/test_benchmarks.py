@@ -224,7 +224,7 @@ def test_parity_timing_runs_every_method():
 
 
 def test_sweep_widths_select_cases_and_name_the_output():
-    """`--sweep --widths`: only the cases of those widths, written to `<gpu>-sweep-subset`."""
+    """`--sweep --widths`: only the cases of those widths, written to a file named by them."""
     from benchmarks import main
 
     def args(widths):
@@ -236,7 +236,7 @@ def test_sweep_widths_select_cases_and_name_the_output():
     _, none = main.plan(args("64"))
     assert everything and picked == everything and not none
     assert all(case.shape[-1] == 96 for _, case, _ in picked)
-    assert main.output_stem("NVIDIA H200", args("96")).startswith("nvidia-h200-sweep-subset")
+    assert main.output_stem("NVIDIA H200", args("4096,96")).startswith("nvidia-h200-sweep-w96-4096-")
 
 
 def test_merge_replaces_rows_of_a_later_part(tmp_path):
