@@ -28,7 +28,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     count = 0
     for rows, n in [(37, 1), (33, 3), (129, 64), (77, 80), (77, 127), (65, 128), (19, 129), (9, 300), (5, 2049),
-                    (5, 2500), (3, 5000), (3, 9000), (3, 13000), (3, 16385), (2, 18000), (2, 40000)]:
+                    (5, 2500), (5, 2880), (3, 5000), (3, 9000), (3, 13000), (3, 16385), (2, 18000), (2, 40000)]:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, n, device="cuda", dtype=dtype, generator=g).requires_grad_()
             w = (1 + 0.5 * torch.randn(n, device="cuda", generator=g)).to(dtype).requires_grad_()

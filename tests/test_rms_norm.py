@@ -110,8 +110,9 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 5000, 9000, 13000, 20000, 40000, 70000])  # forward row kernel in blocks
-# (5000, 9000, 20000) and with its reload (13000, 40000); backward tiles with the prefetch (300, 5000), in 3
+@pytest.mark.parametrize("width", [300, 2880, 5000, 9000, 13000, 20000, 40000, 70000])  # forward row kernel in
+# blocks (5000, 9000, 20000), in three read twice, the last ragged (2880: gpt-oss), and with its reload (13000,
+# 40000); backward tiles with the prefetch (300, 5000), in 3
 # blocks of 4096 (9000), backward row kernel (13000); column-split backward (20000 up); chunked forward (70000)
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
@@ -437,7 +438,8 @@ def test_four_byte_elements_take_the_chunked_forward_above_32768():
         assert same_bits(a, b)
 
 
-@pytest.mark.parametrize("width, block, split", [(2560, 512, 5), (1536, 512, 3), (300, 64, 5), (65536, 16384, 4)])
+@pytest.mark.parametrize("width, block, split", [(2560, 512, 5), (1536, 512, 3), (300, 64, 5), (65536, 16384, 4),
+                                                  (2880, 1024, 3), (11008, 4096, 3)])
 def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split):
     """The forward's row kernel over SPLIT blocks gives the same bits reading x a second time (RELOAD) as
     holding the row: the same sums in the same order (the split-reload plans of docs/benchmarks.md, entry 18,
