@@ -38,6 +38,18 @@ def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
     return plan
 
 
+def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool = True):
+    """The backward's row kernel (rows read twice) over SPLIT blocks of BLOCK_N, per_sm programs per SM."""
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+        c = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant).bwd.constexprs
+        fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+        groups = max(2, min(n_rows, NUM_SMS * per_sm))
+        bwd = Launch(XR._rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
+                     {**fixed, "BLOCK_N": block_n, "SPLIT": split, "HOLD_W": hold_w})
+        return XR.BwdPlan(None, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+    return plan
+
+
 def fwd_row(num_warps: int, reload: bool):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         p = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant)
@@ -110,6 +122,23 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
     return rows
 
 
+_BWD_ROW_CANDIDATES = (  # each fits its programs per SM in registers (ptxas for sm_90 here), none spills
+    (576, [(64, 9, 1, 16, True), (64, 9, 2, 8, True), (128, 5, 2, 8, True), (128, 5, 4, 4, True)]),
+    (640, [(128, 5, 1, 16, True), (128, 5, 2, 8, True), (128, 5, 4, 4, True)]),
+    (768, [(256, 3, 1, 16, True), (256, 3, 2, 8, True), (256, 3, 4, 4, True)]),
+    (832, [(64, 13, 2, 8, True), (128, 7, 2, 8, True), (128, 7, 4, 4, True)]),
+    (1536, [(512, 3, 2, 8, True), (512, 3, 4, 4, True), (512, 3, 8, 2, True)]),
+    (3584, [(512, 7, 4, 4, True), (512, 7, 8, 2, True), (512, 7, 4, 3, True)]),
+    (5120, [(1024, 5, 4, 4, True), (1024, 5, 8, 2, True), (1024, 5, 8, 3, True), (1024, 5, 16, 2, True)]),
+    (6144, [(2048, 3, 8, 2, True), (1024, 6, 4, 3, True), (1024, 6, 8, 3, True), (2048, 3, 16, 2, True)]),
+    (7168, [(1024, 7, 8, 2, True), (1024, 7, 16, 2, True), (1024, 7, 32, 1, True)]),
+    (8192, [(2048, 4, 8, 2, True), (8192, 1, 16, 2, True), (4096, 2, 16, 2, False), (8192, 1, 32, 1, True)]),
+    (12288, [(4096, 3, 16, 1, True), (2048, 6, 16, 1, True), (4096, 3, 32, 1, True), (4096, 3, 32, 1, False)]),
+    (14336, [(2048, 7, 16, 1, True), (2048, 7, 32, 1, True), (2048, 7, 32, 1, False)]),
+    (16384, [(4096, 4, 16, 1, True), (16384, 1, 32, 1, True), (4096, 4, 32, 1, True), (16384, 1, 32, 1, False)]),
+)
+
+
 def candidate_sets() -> dict:
     tiles64 = [(64, 2, 4, False), (64, 2, 6), (64, 2, 8), (128, 4, 2), (128, 4, 3), (128, 2, 4), (32, 1, 8),
                (32, 1, 12), (32, 2, 8), (256, 8, 1), (256, 4, 2), (64, 4, 4), (16, 1, 16), (16, 1, 12), (16, 1, 20),
@@ -146,6 +175,17 @@ def candidate_sets() -> dict:
                                     (18432, [(2048, 9, 16, False), (2048, 9, 16, True), (4096, 5, 32, True)]))]
         + [("fwd", 4096, 16384, "bfloat16", [("row 32 warps, reload", fwd_row(32, True), None),
                                              ("row 16 warps, reload", fwd_row(16, True), None)])],
+        # Session 18: the backward's row kernel (rows read twice, only w and dw held) in SPLIT blocks with
+        # several programs per SM, at the widths where the tile kernels' held rows cap the bytes in flight
+        # (backward under 0.85: docs/benchmarks.md, entry 15). (BLOCK_N, SPLIT, warps, per SM, hold w).
+        "bwd-row": [("bwd", (1 << 26) // w, w, "bfloat16", [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}",
+                                                            None, bwd_row(b, k, nw, ps, h)) for b, k, nw, ps, h in c])
+                    for w, c in _BWD_ROW_CANDIDATES],
+        # Session 18: does reading x twice at wider warps (8 elements per thread per block) gain at five
+        # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
+        "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
+                                                             for nw in ws]) for w, b, ws in
+                     ((2560, 512, (2, 4)), (5120, 1024, (4, 8)), (10240, 2048, (8, 16)), (20480, 4096, (16, 32)))],
     }
 
 

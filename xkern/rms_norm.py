@@ -390,43 +390,71 @@ def _rms_norm_bwd_row_kernel(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
-    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HOLD_W: tl.constexpr, VARIANT: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     dy_row_stride = dy_row_stride // ROW_ALIGN * ROW_ALIGN
     dx_row_stride = dx_row_stride // ROW_ALIGN * ROW_ALIGN
-    # Persistent over rows, one row at a time, read twice (as the forward's RELOAD): both row sums from the
-    # first read (mean(g * n) = rstd * mean(g * x), g = (dy * w) rounded needing no rstd; evict_last keeps
-    # the row in L2), dx and dw from the second (evict_first). A 1-D block: fewer registers than a 1-row tile.
+    # Persistent over rows, one row at a time in SPLIT blocks of BLOCK_N (a tuple, unrolled), read twice (as
+    # the forward's RELOAD): both row sums from the first read (mean(g * n) = rstd * mean(g * x), g = (dy * w)
+    # rounded needing no rstd; evict_last keeps the row in L2), dx and dw from the second (evict_first). Only
+    # w and the dw partial stay in registers across rows (w not even that without HOLD_W: re-read from
+    # L1/L2), so more programs fit per SM than with the tile kernels' held rows. A 1-D block: fewer
+    # registers than a 1-row tile.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     # The batch enters the row index: offsetting the base pointers instead compiles to a schedule with
     # fewer loads in flight (101 registers instead of 127; 0.58 instead of 0.73 of the copy at 16384).
     batch = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    ws = ()
+    dw_acc = ()
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HOLD_W:
+            ws = ws + (tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32),)
+        dw_acc = dw_acc + (tl.zeros([BLOCK_N], tl.float32),)
     inv_n = _inv(n_cols)
     for row in range(pid, n_rows, num_programs):
         row = tl.cast(row, tl.int64) + batch * n_rows
-        x_ptrs = X + row * x_row_stride + cols
-        dy_ptrs = DY + row * dy_row_stride + cols
-        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) * inv_n + EPS)
-        mean_gn = tl.sum(g * x, axis=0) * rstd * inv_n
-        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
-        n = x * rstd
-        dw_acc += _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT)
-        dx = rstd * (g - n * mean_gn)
-        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        x_row = X + row * x_row_stride
+        dy_row = DY + row * dy_row_stride
+        for i in tl.static_range(SPLIT):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = ws[i] if HOLD_W else tl.load(W + cols, mask=mask, other=0.0,
+                                              eviction_policy="evict_last").to(tl.float32)
+            g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+            if i == 0:
+                sum_sq = x * x
+                sum_gx = g * x
+            else:
+                sum_sq += x * x
+                sum_gx += g * x
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+        mean_gn = tl.sum(sum_gx, axis=0) * rstd * inv_n
+        new_dw = ()
+        for i in tl.static_range(SPLIT):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = ws[i] if HOLD_W else tl.load(W + cols, mask=mask, other=0.0,
+                                              eviction_policy="evict_last").to(tl.float32)
+            g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+            n = x * rstd
+            new_dw = new_dw + (dw_acc[i] + _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty,
+                                                     DY.dtype.element_ty, VARIANT),)
+            dx = rstd * (g - n * mean_gn)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc = new_dw
     if VARIANT != 3:  # NO_WEIGHT: no dw
-        tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=mask)
+        for i in tl.static_range(SPLIT):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
@@ -673,7 +701,8 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
     elif n_cols > BWD_SPLIT_MAX:  # up to BWD_ROW_BLOCK
         groups = max(2, min(n_rows, NUM_SMS))
-        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16, {**fixed, "EPS": float(eps), "BLOCK_N": block_n})
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
+                     {**fixed, "EPS": float(eps), "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
     else:
         block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
         split = 1
