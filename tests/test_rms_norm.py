@@ -461,6 +461,43 @@ def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split)
     R.check(to_numpy(ys[1]), R.rms_norm_fwd(to_numpy(x), to_numpy(w), EPS), "fwd")
 
 
+@pytest.mark.parametrize("width, block, split, num_warps, variant", [
+    (576, 64, 9, 2, "llama"), (640, 128, 5, 1, "gemma"), (1000, 128, 8, 2, "llama"), (2880, 1024, 3, 4, "none"),
+    (5120, 1024, 5, 8, "olmo2"), (16384, 16384, 1, 16, "llama")])
+def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, num_warps, variant):
+    """The backward's row kernel (rows read twice) over SPLIT blocks, w held in registers or re-read (HOLD_W),
+    two persistent programs over five rows: the candidates `benchmarks.plan_probe --set bwd-row` times, checked
+    against the oracle on NaN-poisoned outputs before GPU time decides them; re-reading w gives the same bits."""
+    from xkern.launch import Launch
+    from xkern.rms_norm import _rms_norm_bwd_row_kernel, plan_dw_reduce
+
+    rows, programs = 5, 2
+    x, w, dy = (None if a is None else to_torch(a) for a in _inputs(_rng("bwd row", width), (rows, width),
+                                                                    "bfloat16", variant=variant))
+    fixed = {k: plan_rms_norm_bwd(rows, width, EPS, variant=_math(variant) if w is not None else "none").bwd
+             .constexprs[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+    scalars = dict(n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width, dx_row_stride=width)
+    got = []
+    for hold_w in (True, False):
+        plan = Launch(_rms_norm_bwd_row_kernel, (programs, 1), num_warps,
+                      {**fixed, "BLOCK_N": block, "SPLIT": split, "HOLD_W": hold_w})
+        dx = torch.full_like(x, float("nan"))
+        partial = torch.full((programs, width), float("nan"), device=x.device)
+        launch(plan, x, x if w is None else w, dy, dx, partial, **scalars)
+        dw = None
+        if w is not None:
+            dw = torch.full_like(w, float("nan"))
+            launch(plan_dw_reduce(programs, width), partial, dw, n_partials=programs, n_cols=width)
+        got.append((dx, dw))
+    dx_ref, dw_ref, dw_tol = R.rms_norm_bwd(to_numpy(x), None if w is None else to_numpy(w), to_numpy(dy), EPS,
+                                            _math(variant))
+    R.check(to_numpy(got[0][0]), dx_ref, "dx")
+    assert same_bits(got[0][0], got[1][0])
+    if w is not None:
+        R.check(to_numpy(got[0][1]), dw_ref, "dw", dw_tol)
+        assert same_bits(got[0][1], got[1][1])
+
+
 def test_split_rows_cover_every_width_within_the_register_budget():
     """Every width from 1 to 20000: the row kernels' SPLIT blocks cover the row exactly once (the last block
     may be ragged, never empty) and hold at most 40 (forward) or 24 (backward) elements per thread per tensor;
