@@ -42,7 +42,7 @@ def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool 
     """The backward's row kernel (rows read twice) over SPLIT blocks of BLOCK_N, per_sm programs per SM."""
     def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
         c = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant).bwd.constexprs
-        fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
+        fixed = {"EPS": float(eps), **{k: c[k] for k in ("ROW_ALIGN", "ONE_COL", "VARIANT")}}
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
         bwd = Launch(XR._rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
                      {**fixed, "BLOCK_N": block_n, "SPLIT": split, "HOLD_W": hold_w})
@@ -100,7 +100,8 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
     w = torch.randn(n, generator=g, device=device, dtype=x.dtype)
     rows, base = [], None
     try:
-        for name, fwd, bwd in [("plan", None, None), *candidates]:
+        # the plan again last: the first timing of a case has read 1-3 % slow (docs/benchmarks.md, entry 13)
+        for name, fwd, bwd in [("plan", None, None), *candidates, ("plan (again)", None, None)]:
             _use(fwd, bwd)
             row = {"pass": pass_, "shape": [m, n], "dtype": dtype, "candidate": name}
             try:
@@ -123,11 +124,16 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
 
 
 _BWD_ROW_CANDIDATES = (  # each fits its programs per SM in registers (ptxas for sm_90 here), none spills
+    # controls: powers of two where the tile kernel's plan reaches 0.86-0.88
+    (512, [(512, 1, 1, 16, True), (512, 1, 2, 8, True)]),
+    (1024, [(1024, 1, 1, 16, True), (1024, 1, 2, 8, True), (1024, 1, 4, 4, True), (1024, 1, 4, 8, True)]),
+    (2048, [(2048, 1, 2, 8, True), (2048, 1, 4, 4, True), (2048, 1, 8, 2, True), (2048, 1, 8, 4, True)]),
+    (4096, [(4096, 1, 4, 4, True), (4096, 1, 8, 2, True), (4096, 1, 16, 1, True), (4096, 1, 8, 4, True)]),
     (576, [(64, 9, 1, 16, True), (64, 9, 2, 8, True), (128, 5, 2, 8, True), (128, 5, 4, 4, True)]),
     (640, [(128, 5, 1, 16, True), (128, 5, 2, 8, True), (128, 5, 4, 4, True)]),
     (768, [(256, 3, 1, 16, True), (256, 3, 2, 8, True), (256, 3, 4, 4, True)]),
     (832, [(64, 13, 2, 8, True), (128, 7, 2, 8, True), (128, 7, 4, 4, True)]),
-    (1536, [(512, 3, 2, 8, True), (512, 3, 4, 4, True), (512, 3, 8, 2, True)]),
+    (1536, [(512, 3, 2, 8, True), (512, 3, 4, 4, True), (512, 3, 8, 2, True), (512, 3, 4, 8, True)]),
     (3584, [(512, 7, 4, 4, True), (512, 7, 8, 2, True), (512, 7, 4, 3, True)]),
     (5120, [(1024, 5, 4, 4, True), (1024, 5, 8, 2, True), (1024, 5, 8, 3, True), (1024, 5, 16, 2, True)]),
     (6144, [(2048, 3, 8, 2, True), (1024, 6, 4, 3, True), (1024, 6, 8, 3, True), (2048, 3, 16, 2, True)]),
@@ -136,6 +142,11 @@ _BWD_ROW_CANDIDATES = (  # each fits its programs per SM in registers (ptxas for
     (12288, [(4096, 3, 16, 1, True), (2048, 6, 16, 1, True), (4096, 3, 32, 1, True), (4096, 3, 32, 1, False)]),
     (14336, [(2048, 7, 16, 1, True), (2048, 7, 32, 1, True), (2048, 7, 32, 1, False)]),
     (16384, [(4096, 4, 16, 1, True), (16384, 1, 32, 1, True), (4096, 4, 32, 1, True), (16384, 1, 32, 1, False)]),
+    # wider than 16384 the plan reads x and dy twice from DRAM (statistics, then a column split, 0.52 of the
+    # copy at 18432); the row kernel fits up to 6 x 4096 at 32 warps without spilling (64 registers; 32768
+    # spills 244-280 bytes)
+    (18432, [(2048, 9, 32, 1, False), (4096, 5, 32, 1, False), (2048, 9, 32, 1, True)]),
+    (24576, [(4096, 6, 32, 1, False)]),
 )
 
 
@@ -189,6 +200,23 @@ def candidate_sets() -> dict:
     }
 
 
+def summary(rows: list[dict]) -> str:
+    """Markdown: per case the plan's µs (the faster of its two timings), the fastest candidate and its gain."""
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault((r["pass"], tuple(r["shape"]), r["dtype"]), []).append(r)
+    out = ["| pass | shape | dtype | plan µs | fastest candidate | µs | plan / it |", "|---|---|---|---|---|---|---|"]
+    for (pass_, shape, dtype), rs in cases.items():
+        timed = [r for r in rs if "us" in r]
+        plan = min((r["us"] for r in timed if r["candidate"].startswith("plan")), default=None)
+        best = min((r for r in timed if not r["candidate"].startswith("plan")), key=lambda r: r["us"], default=None)
+        if plan is None or best is None:
+            continue
+        out.append(f"| {pass_} | {shape[0]}×{shape[1]} | {dtype} | {plan:.1f} | {best['candidate']} | "
+                   f"{best['us']:.1f} | {plan / best['us']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--set", default="narrow-bwd", choices=sorted(candidate_sets()))
@@ -201,6 +229,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timing.set_smoke(device == "cpu")  # CPU: runs once, no timing is a measurement
     rows = [r for case in candidate_sets()[args.set] for r in time_case(*case, device)]
+    print(summary(rows))
     if args.out:
         with open(os.path.join(args.out, f"plan-probe-{args.set}.json"), "w") as f:
             json.dump({"set": args.set, "rows": rows}, f, indent=1)
