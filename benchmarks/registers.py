@@ -1,6 +1,6 @@
 """Registers and spills of the RMSNorm plans at the benchmark shapes, for sm_90, from this CPU machine.
 
-    python -m benchmarks.registers [--sweep]      (without TRITON_INTERPRET)
+    python -m benchmarks.registers [--sweep | --candidates]      (without TRITON_INTERPRET)
 
 Compiles each plan's kernel as the launchers do (`xkern.compile_check.source`: 16-byte aligned pointers)
 and runs Triton's bundled `ptxas -v` on the PTX: a kernel that spills, or whose registers cap the warps
@@ -40,6 +40,20 @@ def ptxas_info(launch) -> str:
                              capture_output=True, text=True).stderr
     return "; ".join(line.split(":", 1)[-1].strip() for line in err.splitlines()
                      if "registers" in line or "spill" in line)
+
+
+def sass_loop(launch) -> int:
+    """SASS instructions in the kernel's longest loop (the span of its longest backward branch: the
+    persistent kernels' row or tile loop), from cuobjdump of the sm_90a cubin."""
+    compiled = triton.compile(source(launch, PTRS), target=TARGET, options={"num_warps": launch.num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    spans = [int(at, 16) - int(to, 16) for at, to in
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`?\(?)0x([0-9a-f]+)", sass)]
+    return max([0] + spans) // 16 + 1  # 16 bytes per sm_90 instruction
 
 
 # sm_90: registers and warps per SM, programs (CTAs) per SM, register allocation granularity per warp
@@ -82,9 +96,39 @@ def sweep():
             print(f"| {n} | " + " | ".join(_row(name, launch, n)) + " |", flush=True)
 
 
+def candidates():
+    """`plan_probe --set bwd-row`'s candidates against the plan, before GPU time decides them: registers,
+    programs per SM (resident; the candidate asks for `ask`), the bytes of x and dy in flight per SM when
+    every resident program reads its row (or tile) at once, and SASS per element (the loop's instructions
+    times threads over the elements one pass of it takes)."""
+    from benchmarks.plan_probe import _BWD_ROW_CANDIDATES, bwd_row
+
+    print("| width | candidate | warps | registers | spill bytes | programs/SM (ask) | KB in flight/SM | "
+          "SASS per element |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, cands in _BWD_ROW_CANDIDATES:
+        m = SWEEP_ELEMS // n
+        for name, launch in [("plan", K.plan_rms_norm_bwd(m, n, 1e-6).bwd)] + [
+                (f"row {b}×{k} {'w held' if h else 'w re-read'}", bwd_row(b, k, nw, ps, h)(m, n, 1e-6).bwd)
+                for b, k, nw, ps, h in cands]:
+            info = ptxas_info(launch)
+            regs = int(re.search(r"Used (\d+) registers", info).group(1))
+            spill = re.search(r"(\d+) bytes spill stores", info)
+            ask = -(-launch.grid[0] // K.NUM_SMS)
+            per_sm = min(occupancy(regs, launch.num_warps), ask)
+            c = launch.constexprs
+            elems = c.get("BLOCK_M", 1) * min(n, c["BLOCK_N"] * c.get("SPLIT", 1))
+            print(f"| {n} | {name} | {launch.num_warps} | {regs} | {spill.group(1) if spill else 0} | {per_sm} ({ask}) "
+                  f"| {per_sm * elems * 4 / 1024:.0f} | {sass_loop(launch) * 32 * launch.num_warps / elems:.1f} |",
+                  flush=True)
+
+
 def main():
     if "--sweep" in sys.argv:
         sweep()
+        return
+    if "--candidates" in sys.argv:
+        candidates()
         return
     for m, n in SHAPES:
         bwd = K.plan_rms_norm_bwd(m, n, 1e-6)
