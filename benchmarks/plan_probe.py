@@ -21,6 +21,7 @@ import json
 import os
 import sys
 
+from benchmarks.rms_norm import SWEEP_WIDTHS as _SWEEP_WIDTHS
 from xkern import rms_norm as XR
 from xkern.launch import NUM_SMS, Launch, cdiv
 
@@ -47,6 +48,19 @@ def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool 
         bwd = Launch(XR._rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
                      {**fixed, "BLOCK_N": block_n, "SPLIT": split, "HOLD_W": hold_w})
         return XR.BwdPlan(None, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+    return plan
+
+
+def bwd_row_rule(per_thread: int, sm_warps: int):
+    """A rule for the row kernel at every width up to 6 x 4096, to time against the plan across the sweep:
+    the row in power-of-two blocks with at most 1/8 masked (`split_row`, blocks of 64-4096, up to 16), the
+    most warps (up to 32) giving each thread at least `per_thread` elements of the row, programs per SM
+    filling `sm_warps` warps, w held in registers below 32 warps (at 32 ptxas caps a thread at 64)."""
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+        block, split = XR.split_row(n_cols, 4096, min_block=64, max_split=16)
+        num_warps = min(32, 1 << max(0, (block * split // (32 * per_thread)).bit_length() - 1))
+        return bwd_row(block, split, num_warps, max(1, sm_warps // num_warps), num_warps < 32)(
+            n_rows, n_cols, eps, row_strides, n_batch, variant)
     return plan
 
 
@@ -192,6 +206,12 @@ def candidate_sets() -> dict:
         "bwd-row": [("bwd", (1 << 26) // w, w, "bfloat16", [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}",
                                                             None, bwd_row(b, k, nw, ps, h)) for b, k, nw, ps, h in c])
                     for w, c in _BWD_ROW_CANDIDATES],
+        # Session 18: two rules for the row kernel against the plan at every swept width from 512 to 24576,
+        # so that one that wins at the candidates' widths is seen not to sag between them.
+        "bwd-row-rule": [("bwd", (1 << 26) // w, w, "bfloat16",
+                          [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
+                           ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))])
+                         for w in _SWEEP_WIDTHS if 512 <= w <= 24576],
         # Session 18: does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
