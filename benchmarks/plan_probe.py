@@ -211,7 +211,10 @@ def candidate_sets() -> dict:
         "bwd-row-rule": [("bwd", (1 << 26) // w, w, "bfloat16",
                           [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
                            ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))])
-                         for w in _SWEEP_WIDTHS if 512 <= w <= 24576],
+                         for w in _SWEEP_WIDTHS if 512 <= w <= 24576]
+        + [("bwd", (1 << 26) // w, w, "float16", [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
+                                                  ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))])
+           for w in (7168, 16384)],  # fp16's two backward widths under 0.85
         # Session 18: does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)

@@ -518,6 +518,38 @@ def test_split_rows_cover_every_width_within_the_register_budget():
             assert n & (n - 1) or split == 1, (n, plan)
 
 
+def test_plans_follow_one_rule_per_regime():
+    """The regimes docs/design.md states in a sentence each, at every width from 1 to 70000: which kernel,
+    how many rows a program takes, its warps and programs per SM (a rule, not a table of shapes)."""
+    from xkern import rms_norm as K
+
+    for n in range(1, 70001):
+        fwd, fwd4, bwd = (K.plan_rms_norm_fwd(4096, n, EPS), K.plan_rms_norm_fwd(4096, n, EPS, (), 4),
+                          K.plan_rms_norm_bwd(4096, n, EPS))
+        name = fwd.kernel.fn.__name__
+        if n > 65536:
+            assert name == "_rms_norm_fwd_chunked_kernel" and fwd.grid == (K.NUM_SMS,), n
+        elif n >= K.FWD_TILE_BELOW:
+            assert name == "_rms_norm_fwd_row_kernel" and fwd.grid == (4096,), n
+        else:
+            assert name == "_rms_norm_fwd_kernel" and fwd.constexprs["BLOCK_M"] * fwd.constexprs["BLOCK_N"] == (
+                1024 if n <= 64 else 2048), n
+        assert (fwd4.kernel.fn.__name__ == "_rms_norm_fwd_chunked_kernel") == (n > 32768), n
+        name, c = bwd.bwd.kernel.fn.__name__, bwd.bwd.constexprs
+        if n > 16384:
+            assert bwd.stats is not None and name == "_rms_norm_bwd_cols_kernel", n
+        elif n > 12288:
+            assert name == "_rms_norm_bwd_row_kernel" and bwd.bwd.num_warps == 16 and bwd.n_partials == K.NUM_SMS
+        else:
+            assert bwd.stats is None and name in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_split_kernel"), n
+            # 257 and wider: one row per tile, 8192 elements of row per SM (one program at 8192 and wider),
+            # but 2049-3072: four programs of 3 x 1024
+            if n > 256:
+                padded = c["BLOCK_N"] * c.get("SPLIT", 1)
+                per_sm = 4 * 3072 if 2048 < n <= 3072 else max(8192, padded)
+                assert c["BLOCK_M"] == 1 and bwd.n_partials * padded == K.NUM_SMS * per_sm, n
+
+
 def test_forward_reads_x_twice_where_the_sweep_measured_it_faster():
     """The forward's rule for reading x a second time (docs/benchmarks.md, entries 7 and 19): rows of three
     SPLIT blocks, and rows in one block of 4096, 8192, 32768 or 65536 (padded); no other row-kernel width."""
