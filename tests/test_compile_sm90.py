@@ -25,3 +25,23 @@ def test_triton_op_bodies_write_only_their_outputs():
                          capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert ", 0 writing an input" in run.stdout
+
+
+def test_sass_hash_tells_binaries_apart():
+    """`python -m xkern.compile_check --sass`, the check that a refactor keeps every binary the plans launch:
+    the same launch hashes alike, another block size differently."""
+    code = """
+import triton
+from xkern.compile_check import TARGET, sass_hash, source
+from xkern.rms_norm import plan_rms_norm_fwd
+ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}
+def h(n):
+    p = plan_rms_norm_fwd(64, n, 1e-6)
+    return sass_hash(triton.compile(source(p, ptrs), target=TARGET, options={"num_warps": p.num_warps}))
+print(h(1024) == h(1024), h(1024) != h(2048))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.split() == ["True", "True"], run.stdout + run.stderr

@@ -1,15 +1,22 @@
 """Compile every kernel variant the launch plans can choose for sm_90, on a machine without a GPU.
 
 Run in a process *without* TRITON_INTERPRET (the interpreter and the compiler cannot share a process):
-    python -m xkern.compile_check
-GPU-backend errors (layouts, register pressure, unsupported ops) then surface on CPU, in CI.
+    python -m xkern.compile_check [--sass]
+GPU-backend errors (layouts, register pressure, unsupported ops) then surface on CPU, in CI. `--sass`
+prints a hash of each variant's SASS instructions (cuobjdump, addresses dropped): a refactor whose hashes
+match those of a GPU-validated commit leaves every binary the plans launch as it was validated.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -40,8 +47,21 @@ def signature(launch, pointer_types: dict) -> tuple[dict, dict]:
     return sig, consts
 
 
+def sass_hash(compiled) -> str:
+    """Hash of the cubin's SASS instructions, addresses and encodings dropped (cuobjdump bundled with Triton)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = [re.sub(r"/\*[0-9a-fx]+\*/", "", line).strip() for line in sass.splitlines()
+           if re.match(r"^\s+/\*[0-9a-f]{4}\*/", line)]
+    return hashlib.sha1("\n".join(ins).encode()).hexdigest()[:16]
+
+
 def main() -> int:
     seen, failures = set(), 0
+    sass = "--sass" in sys.argv
     for module_name in OPS:
         try:
             module = importlib.import_module(module_name)
@@ -58,6 +78,8 @@ def main() -> int:
                 compiled = triton.compile(source(launch, pointer_types), target=TARGET,
                                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
                 assert "ptx" in compiled.asm and "cubin" in compiled.asm
+                if sass:
+                    print(sass_hash(compiled), key)
             except Exception as e:  # report every failing variant, not just the first
                 failures += 1
                 print(f"FAILED {key}: {type(e).__name__}: {e}", file=sys.stderr)

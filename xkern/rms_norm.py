@@ -385,6 +385,19 @@ def _rms_norm_bwd_split_kernel(
             tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)
 
 
+@triton.jit
+def _row_block(X, DY, W, w_held, row, x_row_stride, dy_row_stride, cols, n_cols, HOLD_W: tl.constexpr,
+               EVICT: tl.constexpr, VARIANT: tl.constexpr):
+    # Columns `cols` of a row of x and dy in fp32, and g = dL/d(normed); w held by the caller or re-read
+    # (asked to stay in L2)
+    mask = cols < n_cols
+    x_ptrs, dy_ptrs = X + row * x_row_stride + cols, DY + row * dy_row_stride + cols
+    x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    w = w_held if HOLD_W else tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    return x, dy, _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+
+
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
 def _rms_norm_bwd_row_kernel(
     X, W, DY,
@@ -420,14 +433,8 @@ def _rms_norm_bwd_row_kernel(
     for row in range(pid, n_rows, num_programs):
         row = tl.cast(row, tl.int64) + batch * n_rows
         for i in tl.static_range(SPLIT):
-            cols = offs + i * BLOCK_N
-            mask = cols < n_cols
-            x_ptrs, dy_ptrs = X + row * x_row_stride + cols, DY + row * dy_row_stride + cols
-            x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            w = ws[i] if HOLD_W else tl.load(W + cols, mask=mask, other=0.0,
-                                              eviction_policy="evict_last").to(tl.float32)
-            g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+            x, dy, g = _row_block(X, DY, W, ws[i] if HOLD_W else None, row, x_row_stride, dy_row_stride,
+                                  offs + i * BLOCK_N, n_cols, HOLD_W, "evict_last", VARIANT)
             if i == 0:
                 sum_sq = x * x
             else:
@@ -442,18 +449,13 @@ def _rms_norm_bwd_row_kernel(
         new_dw = ()
         for i in tl.static_range(SPLIT):
             cols = offs + i * BLOCK_N
-            mask = cols < n_cols
-            x_ptrs, dy_ptrs = X + row * x_row_stride + cols, DY + row * dy_row_stride + cols
-            x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            w = ws[i] if HOLD_W else tl.load(W + cols, mask=mask, other=0.0,
-                                              eviction_policy="evict_last").to(tl.float32)
-            g = _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+            x, dy, g = _row_block(X, DY, W, ws[i] if HOLD_W else None, row, x_row_stride, dy_row_stride, cols,
+                                  n_cols, HOLD_W, "evict_first", VARIANT)
             n = x * rstd
             new_dw = new_dw + (dw_acc[i] + _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty,
                                                      DY.dtype.element_ty, VARIANT),)
             dx = rstd * (g - n * mean_gn)
-            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=cols < n_cols)
         dw_acc = new_dw
     if VARIANT != 3:  # NO_WEIGHT: no dw
         for i in tl.static_range(SPLIT):
