@@ -286,6 +286,24 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
 
 
+def test_plan_probe_sets_build_their_launches():
+    """Every candidate of every `plan_probe` set builds a launch at its case's shape (a set that fails only on
+    the GPU machine costs a device call); the row-backward rules cover every width up to 6 x 4096 in blocks
+    that leave at most 1/8 masked (a power of two otherwise) and at most 32 warps."""
+    from benchmarks import plan_probe
+
+    for name, cases in plan_probe.candidate_sets().items():
+        for _, m, n, _, candidates in cases:
+            for label, fwd, bwd in candidates:
+                launch = fwd(m, n, 1e-6) if fwd else bwd(m, n, 1e-6).bwd
+                assert launch.grid[0] >= 1 and 1 <= launch.num_warps <= 32, (name, n, label)
+    for n in range(512, 24577, 7):
+        for rule in (plan_probe.bwd_row_rule(16, 16), plan_probe.bwd_row_rule(8, 32)):
+            c = rule(1000, n, 1e-6).bwd.constexprs
+            padded = c["BLOCK_N"] * c["SPLIT"]
+            assert padded >= n and ((padded - n) * 8 <= padded or c["SPLIT"] == 1), (n, c)
+
+
 def test_placement_moves_buffers_not_results():
     """`benchmarks.placement`: each layout carves the recipe's buffers at its gaps in one pool; every layout
     runs the recipe to the same results bit for bit (the benchmark's check that only placement changed)."""
