@@ -170,6 +170,8 @@ def candidate_sets() -> dict:
                (16, 1, 24), (16, 1, 32), (8, 1, 32), (32, 1, 16)]
     tiles128 = [(32, 2, 4, False), (32, 2, 6), (32, 2, 8), (64, 4, 2), (64, 4, 3), (16, 1, 8), (16, 1, 12),
                 (32, 4, 4), (64, 2, 4), (16, 2, 8), (8, 1, 16)]
+    rules = [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
+             ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))]
     near = [(f"tile{t}", None, bwd_tile(*t)) for t in [(64, 2, 4), (16, 1, 16), (16, 1, 20), (16, 1, 24)]]
     wide = [("row 32 warps, no reload", fwd_row(32, False), None), ("row 16 warps, reload", fwd_row(16, True), None)]
     wide += [(f"chunked{c}", fwd_chunked(*c), None) for c in [(132, 16384, 32), (264, 16384, 32), (132, 8192, 16),
@@ -208,13 +210,9 @@ def candidate_sets() -> dict:
                     for w, c in _BWD_ROW_CANDIDATES],
         # Session 18: two rules for the row kernel against the plan at every swept width from 512 to 24576,
         # so that one that wins at the candidates' widths is seen not to sag between them.
-        "bwd-row-rule": [("bwd", (1 << 26) // w, w, "bfloat16",
-                          [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
-                           ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))])
-                         for w in _SWEEP_WIDTHS if 512 <= w <= 24576]
-        + [("bwd", (1 << 26) // w, w, "float16", [("rule 16/thread 16 warps/SM", None, bwd_row_rule(16, 16)),
-                                                  ("rule 8/thread 32 warps/SM", None, bwd_row_rule(8, 32))])
-           for w in (7168, 16384)],  # fp16's two backward widths under 0.85
+        "bwd-row-rule": [("bwd", (1 << 26) // w, w, dt, rules) for w, dt in
+                         [(w, "bfloat16") for w in _SWEEP_WIDTHS if 512 <= w <= 24576]
+                         + [(7168, "float16"), (16384, "float16")]],  # fp16's two backward widths under 0.85
         # Session 18: does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)

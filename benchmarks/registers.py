@@ -23,15 +23,17 @@ import triton
 
 from benchmarks.rms_norm import SHAPES, SWEEP_ELEMS, SWEEP_WIDTHS
 from xkern import rms_norm as K
-from xkern.compile_check import TARGET, source
+from xkern.compile_check import TARGET, sass, source
 
 PTRS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "DW_PARTIAL": "*fp32",
         "DW": "*bf16", "STATS": "*fp32"}
 
 
-def ptxas_info(launch) -> str:
-    compiled = triton.compile(source(launch, PTRS), target=TARGET,
-                              options={"num_warps": launch.num_warps})
+def compile_sm90(launch):
+    return triton.compile(source(launch, PTRS), target=TARGET, options={"num_warps": launch.num_warps})
+
+
+def ptxas_info(compiled) -> str:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
@@ -42,17 +44,11 @@ def ptxas_info(launch) -> str:
                      if "registers" in line or "spill" in line)
 
 
-def sass_loop(launch) -> int:
+def sass_loop(compiled) -> int:
     """SASS instructions in the kernel's longest loop (the span of its longest backward branch: the
-    persistent kernels' row or tile loop), from cuobjdump of the sm_90a cubin."""
-    compiled = triton.compile(source(launch, PTRS), target=TARGET, options={"num_warps": launch.num_warps})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    persistent kernels' row or tile loop)."""
     spans = [int(at, 16) - int(to, 16) for at, to in
-             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`?\(?)0x([0-9a-f]+)", sass)]
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`?\(?)0x([0-9a-f]+)", sass(compiled))]
     return max([0] + spans) // 16 + 1  # 16 bytes per sm_90 instruction
 
 
@@ -67,23 +63,31 @@ def occupancy(regs: int, num_warps: int) -> int:
     return max(0, min(SM_REGS // (per_warp * num_warps), SM_WARPS // num_warps, SM_CTAS))
 
 
-def _row(name: str, launch, n_cols: int) -> list[str]:
-    info = ptxas_info(launch)
+def resources(compiled, launch, n_cols: int, tensors: int) -> dict:
+    """Registers, spill bytes, programs per SM (`per_sm`: what fits; `resident`: what the grid puts there) and
+    the KB of input in flight per SM: Little's law, one tile of `tensors` bf16 inputs per resident program
+    (x; x and dy); the H200 needs ~33 KB per SM (4.3 TB/s × ~1 µs over 132 SMs) to run at its copy ceiling."""
+    info = ptxas_info(compiled)
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = re.search(r"(\d+) bytes spill stores", info)
     per_sm = occupancy(regs, launch.num_warps)
+    resident = min(per_sm, -(-math.prod(launch.grid) // K.NUM_SMS))  # a persistent grid may launch fewer
+    c = launch.constexprs
+    elems = c.get("BLOCK_M", 1) * min(n_cols, c["BLOCK_N"] * c.get("SPLIT", 1))  # column splits hold a chunk
+    return {"regs": regs, "spill": int(spill.group(1)) if spill else 0, "per_sm": per_sm, "resident": resident,
+            "elems": elems, "in_flight_kb": resident * elems * 2 * tensors / 1024}
+
+
+def _row(name: str, launch, n_cols: int) -> list[str]:
+    r = resources(compile_sm90(launch), launch, n_cols, 2 if name == "bwd" else 1)
     grid = math.prod(launch.grid)
     rows = launch.constexprs.get("BLOCK_M", 1)
     split = launch.constexprs.get("SPLIT", 1)
     tile = f"{rows}×{launch.constexprs['BLOCK_N']}" + (f"×{split}" if split > 1 else "")
-    # Little's law: the bytes the resident programs have in flight, one tile of x (and dy) each, bf16; the
-    # H200 needs ~33 KB per SM (4.3 TB/s × ~1 µs over 132 SMs) to run at its copy ceiling.
-    resident = min(per_sm, -(-grid // K.NUM_SMS))  # a persistent grid may launch fewer than fit
-    cols = min(n_cols, launch.constexprs["BLOCK_N"] * split)  # the column-split kernels hold a chunk
-    in_flight = resident * rows * cols * 2 * (2 if name == "bwd" else 1) / 1024
     return [name, launch.kernel.fn.__name__.removeprefix("_rms_norm_").removesuffix("_kernel"), tile,
-            str(launch.num_warps), str(regs), spill.group(1) if spill else "0", str(per_sm),
-            str(per_sm * launch.num_warps), f"{grid / max(1, per_sm * K.NUM_SMS):.1f}", f"{in_flight:.0f}"]
+            str(launch.num_warps), str(r["regs"]), str(r["spill"]), str(r["per_sm"]),
+            str(r["per_sm"] * launch.num_warps), f"{grid / max(1, r['per_sm'] * K.NUM_SMS):.1f}",
+            f"{r['in_flight_kb']:.0f}"]
 
 
 def sweep():
@@ -111,16 +115,12 @@ def candidates():
         for name, launch in [("plan", K.plan_rms_norm_bwd(m, n, 1e-6).bwd)] + [
                 (f"row {b}×{k} {'w held' if h else 'w re-read'}", bwd_row(b, k, nw, ps, h)(m, n, 1e-6).bwd)
                 for b, k, nw, ps, h in cands]:
-            info = ptxas_info(launch)
-            regs = int(re.search(r"Used (\d+) registers", info).group(1))
-            spill = re.search(r"(\d+) bytes spill stores", info)
-            ask = -(-launch.grid[0] // K.NUM_SMS)
-            per_sm = min(occupancy(regs, launch.num_warps), ask)
-            c = launch.constexprs
-            elems = c.get("BLOCK_M", 1) * min(n, c["BLOCK_N"] * c.get("SPLIT", 1))
-            print(f"| {n} | {name} | {launch.num_warps} | {regs} | {spill.group(1) if spill else 0} | {per_sm} ({ask}) "
-                  f"| {per_sm * elems * 4 / 1024:.0f} | {sass_loop(launch) * 32 * launch.num_warps / elems:.1f} |",
-                  flush=True)
+            compiled = compile_sm90(launch)
+            r = resources(compiled, launch, n, 2)
+            ask = -(-math.prod(launch.grid) // K.NUM_SMS)
+            per_element = sass_loop(compiled) * 32 * launch.num_warps / r["elems"]
+            print(f"| {n} | {name} | {launch.num_warps} | {r['regs']} | {r['spill']} | {r['resident']} ({ask}) "
+                  f"| {r['in_flight_kb']:.0f} | {per_element:.1f} |", flush=True)
 
 
 def main():
@@ -134,7 +134,8 @@ def main():
         bwd = K.plan_rms_norm_bwd(m, n, 1e-6)
         for name, launch in (("fwd", K.plan_rms_norm_fwd(m, n, 1e-6)), ("bwd", bwd.bwd)):
             tile = f"{launch.constexprs.get('BLOCK_M', 1)}x{launch.constexprs['BLOCK_N']}"
-            print(f"{name} {m}x{n}: {launch.kernel.fn.__name__} {tile} w{launch.num_warps} | {ptxas_info(launch)}")
+            print(f"{name} {m}x{n}: {launch.kernel.fn.__name__} {tile} w{launch.num_warps} | "
+                  f"{ptxas_info(compile_sm90(launch))}")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def bwd_candidates(m, n):
                         for prefetch in (True, False)]
     if bn >= 4096:  # the row kernel (rows read twice)
         out += [Launch(K._rms_norm_bwd_row_kernel, (min(m, NUM_SMS * ppsm), 1), w,
-                              {**_fixed(n), "BLOCK_N": bn, "SPLIT": 1, "HOLD_W": True})
+                       {**_fixed(n), "BLOCK_N": bn, "SPLIT": 1, "HOLD_W": True})
                 for w in (8, 16, 32) for ppsm in (1, 2)]
     return out
 

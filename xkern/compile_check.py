@@ -47,21 +47,25 @@ def signature(launch, pointer_types: dict) -> tuple[dict, dict]:
     return sig, consts
 
 
-def sass_hash(compiled) -> str:
-    """Hash of the cubin's SASS instructions, addresses and encodings dropped (cuobjdump bundled with Triton)."""
+def sass(compiled) -> str:
+    """cuobjdump's SASS listing of a compiled kernel's cubin (the cuobjdump bundled with Triton)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [re.sub(r"/\*[0-9a-fx]+\*/", "", line).strip() for line in sass.splitlines()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_hash(compiled) -> str:
+    """Hash of the kernel's SASS instructions, addresses and encodings dropped."""
+    ins = [re.sub(r"/\*[0-9a-fx]+\*/", "", line).strip() for line in sass(compiled).splitlines()
            if re.match(r"^\s+/\*[0-9a-f]{4}\*/", line)]
     return hashlib.sha1("\n".join(ins).encode()).hexdigest()[:16]
 
 
 def main() -> int:
     seen, failures = set(), 0
-    sass = "--sass" in sys.argv
+    print_sass = "--sass" in sys.argv
     for module_name in OPS:
         try:
             module = importlib.import_module(module_name)
@@ -78,7 +82,7 @@ def main() -> int:
                 compiled = triton.compile(source(launch, pointer_types), target=TARGET,
                                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
                 assert "ptx" in compiled.asm and "cubin" in compiled.asm
-                if sass:
+                if print_sass:
                     print(sass_hash(compiled), key)
             except Exception as e:  # report every failing variant, not just the first
                 failures += 1
