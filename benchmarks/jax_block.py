@@ -1,0 +1,145 @@
+"""A Llama-style block's training step under `jax.jit`: plain `jax.numpy` norms and residual adds (XLA fuses
+them into its own kernels) against xkern's `rms_norm` and fused `add_rms_norm` at the second norm.
+
+Block (pre-norm, as Hugging Face's Llama decoder layer): h = x + attn(norm1(x)); out = h + mlp(norm2(h)).
+xkern computes `norm2(x + attn)` and the residual `h` in one kernel (`jax_api.add_rms_norm`). The step is
+`vjp` of the block's output against a fixed cotangent: the gradient of x and of every weight. Device time
+per step: `timing.jax_device_us` (a jitted `fori_loop` of steps, each step's dx feeding the next step's x;
+the step rescales it so the values stay finite). Sizes: `SIZES` (two, the torch block's and a larger one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from benchmarks import timing
+from benchmarks.timing import error_status
+
+EPS = 1e-6
+# [batch, seq, dim], heads, MLP hidden size: the torch block's (benchmarks/host.py) and a Llama-3-8B-like one
+SIZES = {"cuda": [dict(batch=1, seq=256, dim=2048, heads=16, hidden=5632),
+                  dict(batch=1, seq=2048, dim=4096, heads=32, hidden=14336)],
+         "cpu": [dict(batch=1, seq=4, dim=64, heads=4, hidden=128)]}
+NORMS = ("jnp", "xkern")
+
+
+def _plain_rms_norm(x, w):
+    import jax
+    import jax.numpy as jnp
+
+    xf = x.astype(jnp.float32)
+    return w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS)).astype(x.dtype)
+
+
+def _params(cfg: dict, key):
+    import jax
+    import jax.numpy as jnp
+
+    d, f = cfg["dim"], cfg["hidden"]
+    shapes = {"qkv": (d, 3 * d), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
+    keys = jax.random.split(key, len(shapes) + 2)
+    params = {name: (jax.random.normal(k, s, jnp.float32) / s[0] ** 0.5).astype(jnp.bfloat16)
+              for (name, s), k in zip(shapes.items(), keys)}
+    for name, k in zip(("norm1", "norm2"), keys[len(shapes):]):
+        params[name] = (1 + 0.1 * jax.random.normal(k, (d,), jnp.float32)).astype(jnp.bfloat16)
+    return params
+
+
+def block(params, x, norm: str, heads: int):
+    """The block's output [batch, seq, dim]."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, d = x.shape
+    if norm == "xkern":
+        import jax_api
+
+        h1 = jax_api.rms_norm(x, params["norm1"], EPS)
+    else:
+        h1 = _plain_rms_norm(x, params["norm1"])
+    q, k, v = jnp.split((h1 @ params["qkv"]).reshape(b, s, 3 * heads, d // heads), 3, axis=2)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, d) @ params["o"]
+    if norm == "xkern":
+        h2, h = jax_api.add_rms_norm(a, x, params["norm2"], EPS)
+    else:
+        h = x + a
+        h2 = _plain_rms_norm(h, params["norm2"])
+    gate, up = jnp.split(h2 @ params["gate_up"], 2, axis=-1)
+    return h + (jax.nn.silu(gate) * up) @ params["down"]
+
+
+@functools.cache
+def _step(norm: str, heads: int):
+    import jax
+    import jax.numpy as jnp
+
+    def step(consts, x):
+        params, dy = consts
+        _, vjp = jax.vjp(lambda p, x: block(p, x, norm, heads), params, x)
+        dparams, dx = vjp(dy)
+        # keep x's scale from step to step (the loop feeds dx back as x); the weights' gradients must be
+        # computed, so they enter the carry through a term that is zero in value but not to the compiler
+        touch = sum(jnp.sum(g.astype(jnp.float32)) for g in jax.tree_util.tree_leaves(dparams)) * 0.0
+        dxf = dx.astype(jnp.float32)
+        return (dxf * jax.lax.rsqrt(jnp.mean(dxf * dxf) + 1e-12) + touch).astype(x.dtype)
+
+    return step
+
+
+def _check(cfg: dict) -> str:
+    """The two norms' block outputs and gradients agree (bf16: within a few ULP of each other)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    params = _params(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (cfg["batch"], cfg["seq"], cfg["dim"]), jnp.bfloat16)
+    outs = {n: jax.jit(lambda p, x, n=n: block(p, x, n, cfg["heads"]))(params, x) for n in NORMS}
+    a, b = (np.asarray(outs[n].astype(jnp.float32)) for n in NORMS)
+    rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+    if not rel < 2e-2:
+        raise AssertionError(f"xkern's block differs from the jnp block: relative L2 {rel:.3g}")
+    return f"outputs agree (relative L2 {rel:.2g})"
+
+
+def jax_block_table(device: str, log) -> list[dict]:
+    """One row per (size, norm): device µs per training step, the jnp and xkern steps of a size timed in turn."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for cfg in SIZES[device]:
+        try:
+            checked = _check(cfg)
+        except Exception as err:  # noqa: BLE001 - a failed check is a row's status, not the run's end
+            checked = error_status(err)
+        for norm in NORMS:
+            row = {"norm": norm, "config": cfg, "check": checked}
+            rows.append(row)
+            try:
+                params = _params(cfg, jax.random.key(0))
+                shape = (cfg["batch"], cfg["seq"], cfg["dim"])
+                x = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+                dy = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
+                est = 2.0 * cfg["seq"] * cfg["dim"] * (4 * cfg["dim"] + 3 * cfg["hidden"]) * 3 / 400e6
+                row["device_us"], row["timing"] = timing.jax_device_us(_step(norm, cfg["heads"]), (params, dy), x,
+                                                                        est)
+                log(f"jax block {cfg['dim']}x{cfg['seq']} with {norm} norms: {row['device_us']:.0f} µs/step")
+            except Exception as err:  # noqa: BLE001
+                row["status"] = error_status(err)
+                log(f"jax block {cfg['dim']} with {norm} norms: {row['status']}")
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    try:
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        dev = "cpu"
+    timing.set_smoke(dev == "cpu")
+    print(json.dumps(jax_block_table(dev, lambda m: print(m, file=sys.stderr)), indent=1))
