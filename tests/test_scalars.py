@@ -28,7 +28,7 @@ def test_odd_scalar_first_then_plain_in_a_fresh_process(front_end):
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "scalars_fresh.py"), front_end], cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
     ok = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
-    assert run.returncode == 0 and len(ok) >= 7 and "FAILED" not in run.stdout, run.stdout + run.stderr[-4000:]
+    assert run.returncode == 0 and len(ok) >= 5 and "FAILED" not in run.stdout, run.stdout + run.stderr[-4000:]
 
 
 def _torch_args():
