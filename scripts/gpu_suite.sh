@@ -20,30 +20,32 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # jax-triton 0.3.1 clears it on import; jax-triton's own compiles are cached per process only).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/xkern-triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
+# Kernel compiles dominate the run: spread the tests over 14 processes (XDIST_N) where pytest-xdist is
+# installed (16 cores), handed out test by test, idle processes taking queued tests from busy ones
+# (`worksteal`, pytest-xdist >= 3.2; else `load`). The large tests: two processes, the tests of many GB
+# in one of them (their xdist_group), the others beside.
+if "$PY" -c "import xdist" 2>/dev/null; then
+  read -r DIST GROUPS_OK < <("$PY" -c "import xdist.scheduler as s; print('worksteal' if hasattr(s, 'WorkStealingScheduling') else 'load', int(hasattr(s, 'LoadGroupScheduling')))")
+  XDIST="-n ${XDIST_N:-14} --dist ${XDIST_DIST:-$DIST}"
+  [ "$GROUPS_OK" = 1 ] && XDIST_LARGE="-n 2 --dist loadgroup"
+fi
 START=$SECONDS
 {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
        "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
        "($(git status --porcelain 2>/dev/null | wc -l) paths changed)"
   "$PY" -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax_triton', jax_triton.__version__, 'numpy', numpy.__version__)"
-  # Kernel compiles dominate the run: spread the tests over 14 processes (XDIST_N) where pytest-xdist is
-  # installed (16 cores), handed out test by test, idle processes taking queued tests from busy ones
-  # (`worksteal`, pytest-xdist >= 3.2; else `load`).
-  if "$PY" -c "import xdist" 2>/dev/null; then
-    DIST=$("$PY" -c "import xdist.scheduler as s; print('worksteal' if hasattr(s, 'WorkStealingScheduling') else 'load')")
-    XDIST="-n ${XDIST_N:-14} --dist ${XDIST_DIST:-$DIST}"
-  fi
   echo "# suite: pytest ${XDIST:-(one process)}, limit $SUITE_TIMEOUT s; Triton cache $TRITON_CACHE_DIR"
-  # tests/test_gpu_large.py (tensors past 2**31 elements, both frameworks) runs alone afterwards: beside 13
-  # other processes it left them out of GPU memory (cuBLAS handles, opcheck, jax; 2026-12-04).
+  # tests/test_gpu_large.py (tensors past 2**31 elements, both frameworks) runs afterwards: beside 13 other
+  # processes it left them out of GPU memory (cuBLAS handles, opcheck, jax; 2026-12-04).
   timeout -s INT -k 20 "$SUITE_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=25 $XDIST tests/ \
     --ignore=tests/test_gpu_large.py 2>&1
   echo "pytest rc=$? ($((SECONDS - START)) s)"
 } | tee "$LOGS/gpu_suite.log"
 T1=$SECONDS
 (
-  echo "# large tests alone (memcheck beside them), limit $LARGE_TIMEOUT s"
-  timeout -s INT -k 20 "$LARGE_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=25 \
+  echo "# large tests: pytest ${XDIST_LARGE:-(one process)}, memcheck beside them; limit $LARGE_TIMEOUT s"
+  timeout -s INT -k 20 "$LARGE_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rf --durations=25 $XDIST_LARGE \
     tests/test_gpu_large.py 2>&1
   echo "pytest (large) rc=$? ($((SECONDS - T1)) s)"
 ) > "$LOGS/large.part" &

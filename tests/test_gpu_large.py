@@ -135,6 +135,12 @@ def test_large_shapes_oracle_and_parity(shape, dtype):
         assert _same_bits(a, b)
 
 
+# The tests of many GB share one pytest-xdist process (scripts/gpu_suite.sh: `--dist loadgroup`); the
+# shapes above, a few hundred MB each, spread over the others.
+BIG = pytest.mark.xdist_group("gigabytes")
+
+
+@BIG
 @pytest.mark.parametrize("shape", [(16_777_300, 128), (32_800, 65_536), (32_800, 65_537)])
 def test_row_offsets_past_2_31_elements(shape):
     """The last rows start past 2**31 elements: int32 offsets would wrap and read the wrong memory."""
@@ -152,6 +158,7 @@ def test_row_offsets_past_2_31_elements(shape):
     R.check(to_numpy(dx[tail]), dx_ref, "dx")
 
 
+@BIG
 @pytest.mark.parametrize("tokens", [8192, 16384])
 @pytest.mark.parametrize("hidden", [2048, 7168])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # pure data movement: float16 moves as bf16
