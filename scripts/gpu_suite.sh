@@ -20,6 +20,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # jax-triton 0.3.1 clears it on import; jax-triton's own compiles are cached per process only).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/xkern-triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
+# Inductor compiles in each test process itself: a pool of compile workers per xdist process (one per core
+# by default) would put ~14 x 16 processes on 16 cores and start each pool for a few small graphs.
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 # Kernel compiles dominate the run: spread the tests over 14 processes (XDIST_N) where pytest-xdist is
 # installed (16 cores), handed out test by test, idle processes taking queued tests from busy ones
 # (`worksteal`, pytest-xdist >= 3.2; else `load`). The large tests: two processes, the tests of many GB
