@@ -5,7 +5,7 @@
 # Device call: carry [".whl"], command `bash scripts/gpu_all.sh $OUT`. Logs go to $OUT/<kind>/ (nvidia-h100,
 # nvidia-h200: the GPU's name), gpu_suite.log and memcheck.log: copy that folder over tests/gpu_logs/<kind>/,
 # and the benchmark's JSON/PNG/log to benchmarks/results/.
-# Limits (s): SUITE_TIMEOUT 240, then LARGE_TIMEOUT 150 beside MEMCHECK_TIMEOUT 150: at most ~400 s with
+# Limits (s): SUITE_TIMEOUT 240, then LARGE_TIMEOUT 150 beside MEMCHECK_TIMEOUT 150: at most ~420 s with
 # setup, so one 600 s call holds them and a cold machine's start. The benchmark runs in a call of its own.
 set -u
 OUTDIR=${1:?usage: gpu_all.sh OUTDIR}
