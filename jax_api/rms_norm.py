@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like
+from xkern.launch import check_float
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
 
 
@@ -117,9 +118,10 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *, varia
     check_array("x", x)
     if weight is not None:
         check_array("weight", weight)
+    eps = check_float("eps", eps)  # a float before any cache (xkern.launch.check_int says why)
     _, variant = check_rms_norm(x.dtype.name, tuple(x.shape), None if weight is None else weight.dtype.name,
                                 None if weight is None else tuple(weight.shape), eps, variant)
     # Inside shard_map a replicated weight is made varying like x, so its cotangent (one dw per shard) is
     # summed over the mesh axes by the transpose of that cast.
     weight = None if weight is None else vary_like(weight, x)
-    return _rms_norm(x, weight, float(eps), variant)
+    return _rms_norm(x, weight, eps, variant)

@@ -12,10 +12,17 @@ cd "$ROOT"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   PY=python3
   if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xkern-site .whl/*.whl
+    WHEELS=$(ls .whl/*.whl | sort | tr '\n' ' ')  # installed once per machine (gpu_all.sh sources this twice)
+    if [ "$(cat /tmp/xkern-site/.wheels 2>/dev/null)" != "$WHEELS" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xkern-site .whl/*.whl
+      echo "$WHEELS" > /tmp/xkern-site/.wheels
+    fi
     export PYTHONPATH=/tmp/xkern-site:${PYTHONPATH:-}
   fi
   export PYTHONPATH=$ROOT:${PYTHONPATH:-}
+  # The GPU's kind, naming its logs and results: "NVIDIA H100 80GB HBM3" -> nvidia-h100, "NVIDIA H200" -> nvidia-h200
+  GPU_KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr '[:upper:]' '[:lower:]' |
+             awk '{print $1 ($2 == "" ? "" : "-" $2)}')
 else
   PYBIN=$(command -v python3.11 || (command -v pyenv >/dev/null && pyenv root >/dev/null && ls "$(pyenv root)"/versions/3.11*/bin/python3.11 2>/dev/null | head -1) || command -v python3)
   if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, hypothesis, transformers, jax_triton, kernels" 2>/dev/null; then

@@ -14,6 +14,10 @@ import sys
 import zlib
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.sm90_static  # conftest.py: CPU CI runs these, a GPU run skips them
+
 # Each case: the kernels of the `triton_kernel_call`s its exported module must hold, one entry per call.
 # 16 slots: the inverse is the one-launch search (`xkern.permute.one_launch`), then the gather
 GATHER_VIA_INVERSE = ["_gather_rows_kernel", "_inverse_search_kernel"]

@@ -210,7 +210,9 @@ def test_4_width_zero(dtype):
 # 5. eps of the wrong type: a TypeError that names eps.
 
 
-@pytest.mark.parametrize("eps", ["1e-6", None, [1e-6]])
+# 0-d tensors and arrays too (`float()` would take them; issue 32), and bools
+@pytest.mark.parametrize("eps", ["1e-6", None, [1e-6], torch.tensor(1e-6), np.array(1e-6), jnp.array(1e-6),
+                                 np.bool_(False), False], ids=repr)
 def test_5_eps_wrong_type(eps):
     x = torch.ones(2, 8, device=DEVICE) + 0.5
     w = torch.ones(8, device=DEVICE)

@@ -4,8 +4,10 @@ overflows, zero rows) and eps.
 
 Small by default (CPU CI: the interpreter runs every kernel). Larger on the GPU, or anywhere with
     XKERN_HYPOTHESIS_EXAMPLES=500 XKERN_HYPOTHESIS_MAX_WIDTH=70000 pytest tests/test_rms_norm_properties.py
-Examples are derandomized (the same on every run); set XKERN_HYPOTHESIS_SHRINK=1 to shrink a failure to
-a minimal example (slow under the interpreter).
+The examples are split over XKERN_HYPOTHESIS_PARTS tests (4 on the GPU, where nearly every example compiles
+new kernels: pytest-xdist runs the parts side by side), each seeded by its number, so every run draws the
+same examples; set XKERN_HYPOTHESIS_SHRINK=1 to shrink a failure to a minimal example (slow under the
+interpreter).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from helpers import GPU, TORCH_DTYPES, same_bits, to_numpy, to_torch
 # scripts/setup.sh installs hypothesis on CPU machines; a GPU image without it skips this file (its wheel
 # goes in .whl/, like jax-triton's) instead of failing the whole run's collection.
 pytest.importorskip("hypothesis", reason="hypothesis is not installed (CPU: scripts/setup.sh; GPU: .whl/)")
-from hypothesis import Phase, given, settings  # noqa: E402
+from hypothesis import Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_api  # noqa: E402
@@ -31,10 +33,12 @@ import torch_api  # noqa: E402
 from xkern import reference as R  # noqa: E402
 
 EXAMPLES = int(os.environ.get("XKERN_HYPOTHESIS_EXAMPLES", 200 if GPU else 30))
+PARTS = int(os.environ.get("XKERN_HYPOTHESIS_PARTS", 4 if GPU else 1))
 MAX_WIDTH = int(os.environ.get("XKERN_HYPOTHESIS_MAX_WIDTH", 70000 if GPU else 40))
 PHASES = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if os.environ.get(
     "XKERN_HYPOTHESIS_SHRINK") == "1" else ())
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, phases=PHASES,
+# Not derandomize (it seeds by the test's source: every part would draw the same examples): `seed(part)`.
+SETTINGS = settings(max_examples=-(-EXAMPLES // PARTS), deadline=None, database=None, phases=PHASES,
                     print_blob=True)
 
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -159,9 +163,21 @@ def _finite_statistics(x, w, eps) -> bool:
                 and np.all(np.isfinite(w.astype(np.float64))) and np.all((x64 * x64).sum(-1) <= R.FP32_MAX))
 
 
-@SETTINGS
-@given(cases())
-def test_rms_norm_properties(case):
+def _part(part: int):
+    @seed(part)
+    @SETTINGS
+    @given(cases())
+    def test(case):
+        _check_case(case)
+
+    return test
+
+
+for _part_number in range(PARTS):  # test_rms_norm_properties_0, _1, ...: one pytest item each
+    globals()[f"test_rms_norm_properties_{_part_number}"] = _part(_part_number)
+
+
+def _check_case(case):
     x_dtype, w_dtype, shape, eps, kinds, w_kind, x_layout, w_layout, seed = case
     x, w, dy = _inputs(x_dtype, w_dtype, shape, kinds, w_kind, w_layout, seed)
     out_dtype = R.promote(x.dtype, w.dtype)

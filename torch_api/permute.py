@@ -34,6 +34,7 @@ from xkern.permute import (
     check_unpermute,
     generate_recipe,
     inverse_recipe,
+    layout_ints,
     permute_recipe,
     unpermute_recipe,
 )
@@ -258,13 +259,14 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     `validate=True` (one host sync) that, or a negative count, is a ValueError. alignment must be >= 1.
     """
     counts = tokens_per_expert_group
+    # Scalars as Python ints before any cache lookup (np.int64(8) == 8: see xkern.launch.check_int).
+    experts_per_rank, num_ranks, max_len, alignment = layout_ints(experts_per_rank, num_ranks, max_len, alignment)
     if validate:
         _check_index("tokens_per_expert_group", counts)
         e, _, m, a = check_layout(counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
         check_counts(counts.detach().cpu().numpy(), e, a, m)
     if eager(counts):  # checked on the first call of each signature
-        key = ("generate", counts.shape, counts.dtype, counts.device, experts_per_rank, num_ranks, max_len, alignment,
-               type(experts_per_rank), type(num_ranks), type(max_len), type(alignment))
+        key = ("generate", counts.shape, counts.dtype, counts.device, experts_per_rank, num_ranks, max_len, alignment)
         ex = _cached(key, lambda: _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment))
         return tuple(ex(counts.contiguous()))
     _check_index("tokens_per_expert_group", counts)
@@ -292,15 +294,14 @@ def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate:
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     idx = permuted_indices
+    num_rows = check_int("num_rows", num_rows)  # an int before any cache lookup
     if validate:
         _check_index("permuted_indices", idx)
-        check_int("num_rows", num_rows)
         check_permutation(idx.detach().cpu().numpy(), num_rows)
     if eager(idx):  # checked on the first call of each signature
-        key = ("inverse", idx.shape, idx.dtype, idx.device, num_rows, type(num_rows))
+        key = ("inverse", idx.shape, idx.dtype, idx.device, num_rows)
         return _cached(key, lambda: _inverse_executor(idx, num_rows))(idx.contiguous())[0]
     _check_index("permuted_indices", idx)
-    check_int("num_rows", num_rows)
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
 
 
@@ -309,6 +310,7 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y: dy =
     permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`."""
+    num_rows = check_int("num_rows", num_rows)  # an int before any cache lookup
     if validate:
         _check_unpermute(y, permuted_indices, num_rows)
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)

@@ -28,7 +28,7 @@ from torch_api._launch import (
     rows_view,
     run_recipe,
 )
-from xkern.launch import row_align
+from xkern.launch import check_float, row_align
 from xkern.rms_norm import check_rms_norm, check_variant, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
@@ -341,6 +341,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     (Llama4's L2 norm). variant: the math around `normed = x.float() * rsqrt(...)`: "llama" (above),
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
+    eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
     if eager(x, weight):
         if not needs_autograd(x, weight):
             return _forward(x, weight, eps, variant)
@@ -348,7 +349,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
             return _apply_rms_norm(x, weight, eps, variant)
         return _RMSNormFunction.apply(x, weight, eps, variant)
     variant = _check(x, weight, eps, variant)
-    return torch.ops.xkern.rms_norm_fwd(x, weight, float(eps), variant)
+    return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
 
 
 class RMSNorm(torch.nn.Module):

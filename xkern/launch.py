@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import numbers
+import operator
 import os
 import sys
 import threading
@@ -79,12 +80,31 @@ def promote(a: str, b: str) -> str:
 
 
 def check_int(name: str, n, minimum: int = 0) -> int:
-    """`n` as a Python int >= `minimum`, or a TypeError/ValueError naming `name`."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    """`n` as a Python int >= `minimum`, or a TypeError/ValueError naming `name`.
+
+    The front ends call it (and `check_float`) on every scalar argument at their door, before any cache
+    lookup: np.int64(5) == 5 and hashes alike, so a plan cached for a numpy integer (whose launch fails) would
+    be reused for the plain one. numpy integers become ints (`operator.index`); bools, floats and 0-d
+    tensors or arrays (which have `__index__` but are no `numbers.Integral`) are refused."""
+    if type(n) is not int:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        n = operator.index(n)
     if n < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {n}")
-    return int(n)
+    return n
+
+
+def check_float(name: str, x) -> float:
+    """`x` as a Python float (numpy floats and ints too), or a TypeError naming `name`: bools and 0-d
+    tensors or arrays are refused (`float()` would take them). Why at the door: see `check_int`."""
+    if type(x) is float:
+        return x
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    return float(x)
+
+
 # Kernels number rows, slots and tiles in int32 lanes (`program_id * BLOCK + lane`; a persistent program
 # also forms the tile after its last one): the most rows (or slots) a launch takes, with room for that
 # overshoot (at most 2**20 = (programs + 1) * BLOCK_M of any plan). Memory offsets are int64 everywhere.

@@ -403,15 +403,18 @@ def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...]) -> Non
         raise ValueError(f"y must have one row per slot of permuted_indices ({idx_shape[0]}), got {y_shape[0]}")
 
 
+def layout_ints(experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
+    """generate_permute_indices' integer arguments as Python ints (`check_int`: the front ends' door)."""
+    return (check_int("experts_per_rank", experts_per_rank, 1), check_int("num_ranks", num_ranks, 1),
+            check_int("max_len", max_len), check_int("alignment", alignment, 1))
+
+
 def check_layout(n_counts: int, experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
     """generate_permute_indices' arguments, as ints. m_sizes, m_offsets and permuted_indices are int32 and
     the kernels number slots in int32: every expert gets at least one block of `alignment` slots, so
     `experts_per_rank * alignment` must fit int32 (else m_offsets would wrap), and max_len must fit the
     slot numbering. (What the counts add up to is only known on the device: `check_counts`.)"""
-    experts_per_rank = check_int("experts_per_rank", experts_per_rank, 1)
-    num_ranks = check_int("num_ranks", num_ranks, 1)
-    max_len = check_int("max_len", max_len)
-    alignment = check_int("alignment", alignment, 1)
+    experts_per_rank, num_ranks, max_len, alignment = layout_ints(experts_per_rank, num_ranks, max_len, alignment)
     if n_counts != experts_per_rank * num_ranks:
         raise ValueError(f"tokens_per_expert_group must have experts_per_rank * num_ranks = "
                          f"{experts_per_rank * num_ranks} entries, got {n_counts}")
@@ -457,7 +460,7 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
     return (_scatter_step(idx, n_slots, num_rows, index_dtype), Step(last, (idx, "raw"), out, scalars))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int) -> Recipe:
     """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots];
     result out [n_slots, n_cols] contiguous."""
@@ -465,14 +468,14 @@ def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_r
     return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
     """Input idx [n_slots]; result inv [num_rows] of idx's dtype."""
     check_gather_sizes(n_slots, num_rows)
     return Recipe(_inverse_steps("idx", "inv", n_slots, num_rows, index_dtype), ("inv",))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
                      index_dtype: str) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
@@ -488,7 +491,7 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
     return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), *gather), ("out",))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)
 def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignment: int) -> Recipe:
     """Input counts [num_ranks * experts_per_rank]; results permuted_indices [max_len], m_sizes and
     m_offsets [experts_per_rank], all int32."""

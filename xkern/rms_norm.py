@@ -772,7 +772,7 @@ def check_rms_norm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str | None, 
     return out_dtype_name(x_dtype, w_dtype, variant), variant
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
                         x_row_stride: int | None = None, variant: str = "llama") -> Recipe:
     """Inputs x [n_rows, n_cols] (rows `x_row_stride` apart, default contiguous) and w [n_cols]
@@ -789,7 +789,7 @@ def rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dt
     return Recipe((Step(plan, ("x", "x" if w_dtype is None else "w"), (y,), scalars),), ("y",))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
                         x_row_stride: int | None = None, dy_row_stride: int | None = None,
                         n_batch: int = 1, dw_dtype: str | None = None, variant: str = "llama") -> Recipe:
