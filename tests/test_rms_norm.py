@@ -466,7 +466,7 @@ def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split)
     (5120, 1024, 5, 8, "olmo2"), (16384, 16384, 1, 16, "llama")])
 def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, num_warps, variant):
     """The backward's row kernel (rows read twice) over SPLIT blocks, w held in registers or re-read (HOLD_W),
-    two persistent programs over five rows: the candidates `benchmarks.plan_probe --set bwd-row` times, checked
+    two persistent programs over five rows: the candidates `tools.plan_probe --set bwd-row` times, checked
     against the oracle on NaN-poisoned outputs before GPU time decides them; re-reading w gives the same bits."""
     from xkern.launch import Launch
     from xkern.rms_norm import _rms_norm_bwd_row_kernel, plan_dw_reduce
