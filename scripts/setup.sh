@@ -25,6 +25,11 @@ else
       ml_dtypes "numpy<2.4" pytest hypothesis ruff matplotlib transformers kernels jax-cuda13-plugin==0.10.2 jax-triton==0.3.1
     .venv/bin/python -m pip install -q --no-deps -e .
   fi
+  # JAX with the CUDA plugin on a machine without CUDA prints a cuDNN traceback at its first call: this
+  # venv's Python starts with JAX on the CPU unless JAX_PLATFORMS says otherwise (a .pth line runs at start-up,
+  # before any import; the lowering tests name CUDA in jax.export, which needs no CUDA backend).
+  echo 'import os; os.environ.setdefault("JAX_PLATFORMS", "cpu")' \
+    > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/xkern-jax-cpu.pth"
   PY=.venv/bin/python
   export TRITON_INTERPRET=1 JAX_PLATFORMS=cpu
 fi
