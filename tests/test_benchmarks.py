@@ -55,6 +55,7 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert "worst xkern / best peer" in summary and "worst JAX / torch" in summary
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.block_profile` itself there")
 def test_block_profile_runs(tmp_path):
     """The compiled block's host profile (`tools.block_profile`) on CPU: both norms' compiled steps run,

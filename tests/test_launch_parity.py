@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # jax-triton 0.3.1 folds any integer argument equal to 1 into the binary. Where that is a row count or a
 # stride the PTX differs in addressing only; where it is the width (7x1) it could change the arithmetic
@@ -174,6 +176,7 @@ def _child() -> None:
     print(f"identical PTX for {compared} kernel launches (at width 1: the same arithmetic)")
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: every RMSNorm launch compiled twice for sm_90
 def test_torch_and_jax_launch_identical_ptx():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")

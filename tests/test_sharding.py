@@ -58,7 +58,7 @@ def _report(n_devices: int) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("n_devices", [4, 8])
+@pytest.mark.parametrize("n_devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_sharded(n_devices, case):
     assert _report(n_devices)[case] == "ok"
 
