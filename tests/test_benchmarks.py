@@ -122,6 +122,7 @@ def test_kernels_empty_swaps_every_launch_and_restores():
     assert torch.allclose(dx.float(), ref, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.slow  # the smoke run above covers the host tables; this, `--host` alone
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
 def test_host_tables_alone(tmp_path):
     """`--host`: the host-cost and block tables only (a short device call after a call-path change)."""
