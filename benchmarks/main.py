@@ -6,8 +6,10 @@
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
 step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
 every case of every op (`benchmarks/runner.py`: each xkern result checked before it is timed). Writes
-`DIR/<gpu>.json` (all the data), `<gpu>.md` (every table) and the plots generated from it, refreshes
-README's benchmarks section, and prints the tables last. `--sweep`: the
+`DIR/<gpu>.json` (all the data, stamped with the commit and date), `<gpu>.md` (every table) and the plots
+generated from it, and prints the tables last. DIR defaults to `benchmarks/results/<gpu>/` (`<gpu>` the GPU
+kind, e.g. `nvidia-h200`: one current set per kind, older sets left to git history); a run there also
+refreshes README's benchmarks section. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
 and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`; `--widths`: only those widths,
 into `<gpu>-sweep-w<widths>.json`, to re-measure a plan change with every peer in one short call). `--host`: the
@@ -29,6 +31,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -155,8 +158,15 @@ def plan(args) -> tuple[str, list]:
     return mode, work
 
 
+def gpu_kind(name: str) -> str:
+    """The results folder and file prefix of a GPU: its name without the memory size ("NVIDIA H100 80GB HBM3"
+    -> "nvidia-h100", "NVIDIA H200" -> "nvidia-h200", "NVIDIA H100 PCIe" -> "nvidia-h100-pcie")."""
+    words = [w for w in name.lower().split() if not re.fullmatch(r"\d+gb|hbm\w*", w)]
+    return "-".join(words)
+
+
 def output_stem(gpu: str, args) -> str:
-    stem = gpu.lower().replace(" ", "-")
+    stem = gpu_kind(gpu)
     if args.sweep:
         stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
         if args.widths:  # named by its widths: a later re-run of other widths does not overwrite it
@@ -179,11 +189,13 @@ def run(args) -> int:
     configure_dynamo()
     mode, work = plan(args)
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out_dir = args.out or (RESULTS if GPU and not args.smoke else None)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    default_dir = os.path.join(RESULTS, gpu_kind(gpu))
+    out_dir = args.out or (default_dir if GPU and not args.smoke else None)
     json_path = os.path.join(out_dir, output_stem(gpu, args) + ".json") if out_dir else None
     results = {
-        "gpu": gpu, "date": date, "commit": commit(), "xkern_sha": kernels_sha(), "versions": versions(), "mode": mode,
+        "gpu": gpu, "date": stamp.strftime("%Y-%m-%d"), "started_utc": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(), "xkern_sha": kernels_sha(), "versions": versions(), "mode": mode,
         "smoke": timing.smoke(),
         "method": {
             "bytes": "minimum bytes: each input read once, each output written once (see docs/benchmarks.md)",
@@ -209,6 +221,7 @@ def run(args) -> int:
             with open(json_path, "w") as f:
                 json.dump(results, f, indent=1)
 
+    log(f"# {gpu}, {results['started_utc']}, commit {results['commit']}, xkern_sha {results['xkern_sha']}")
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
     log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
@@ -249,7 +262,7 @@ def run(args) -> int:
     save()
 
     if json_path:
-        md = report.write_all(json_path, readme=os.path.join(ROOT, "README.md") if out_dir == RESULTS else None,
+        md = report.write_all(json_path, readme=os.path.join(ROOT, "README.md") if out_dir == default_dir else None,
                               log=log)
     else:
         md = report.markdown(results, "(not written)", [])
@@ -295,7 +308,8 @@ def main(argv=None) -> int:
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute"), help="one op only")
-    parser.add_argument("--out", help="where results go (default: benchmarks/results on a GPU, nothing on CPU)")
+    parser.add_argument("--out", help="where results go (default: benchmarks/results/<gpu kind>/ on a GPU, nothing on "
+                        "CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new case after this many seconds (GPU default 420; sweep 3000)")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Tables and plots generated from a benchmark JSON, and README's benchmarks section.
 
-    python -m benchmarks.report benchmarks/results/<gpu>.json [--readme README.md] [--no-plots]
-    python -m benchmarks.report --merge benchmarks/results/<gpu>-sweep.json PART.json PART.json ...
+    python -m benchmarks.report benchmarks/results/<gpu>/<gpu>.json [--readme README.md] [--no-plots]
+    python -m benchmarks.report --merge benchmarks/results/<gpu>/<gpu>-sweep.json PART.json PART.json ...
 
 Writes `<stem>.md` (every table) and `<stem>-<figure>.png` beside the JSON. For the main JSON it also
 replaces README's text between `<!-- section: benchmarks -->` and `<!-- /section: benchmarks -->` with
@@ -275,6 +275,11 @@ def _plt():
     return plt
 
 
+def _stamp(results) -> str:
+    """GPU, date and commit: every plot says which run drew it."""
+    return ", ".join(str(v) for v in (results["gpu"], results["date"], results.get("commit")) if v)
+
+
 def plot_fractions(results: dict, path: str, ops) -> str | None:
     """Fraction of the copy ceiling per shape, a line per implementation, a panel per (op, pass), bf16."""
     rows = [r for r in results["rows"] if not r.get("sweep") and r["dtype"] == "bfloat16" and r["op"] in ops]
@@ -299,7 +304,7 @@ def plot_fractions(results: dict, path: str, ops) -> str | None:
         ax.set_ylabel("fraction of copy bandwidth")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{results['gpu']}, {results['date']}: copy ceiling {results['ceiling']['gbps']:.0f} GB/s",
+    fig.suptitle(f"{_stamp(results)}: copy ceiling {results['ceiling']['gbps']:.0f} GB/s",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -327,7 +332,7 @@ def plot_sweep(results: dict, path: str) -> str | None:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"RMSNorm width sweep, {results['gpu']}, {results['date']}", fontsize=10)
+    fig.suptitle(f"RMSNorm width sweep, {_stamp(results)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -351,7 +356,7 @@ def plot_host(results: dict, path: str) -> str | None:
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("wall µs per call (eager loop)")
-    ax.set_title(f"Host cost per call, {results['gpu']}, {results['date']}", fontsize=10)
+    ax.set_title(f"Host cost per call, {_stamp(results)}", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

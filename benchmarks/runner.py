@@ -176,7 +176,7 @@ def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
     (an optimization barrier over both), as in a model, where it comes from the layers after this one.
     Without it XLA may fuse its forward and backward into one pass over x (the cotangent, the previous y,
     is there from the start), which no model step allows and torch's autograd never does (forward and
-    backward are separate graphs). xkern's steps time the same either way (`benchmarks.dependent_cot`)."""
+    backward are separate graphs). xkern's steps time the same either way (docs/benchmarks.md)."""
     import jax
     import jax.numpy as jnp
 

@@ -25,13 +25,18 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
              awk '{print $1 ($2 == "" ? "" : "-" $2)}')
 else
   PYBIN=$(command -v python3.11 || (command -v pyenv >/dev/null && pyenv root >/dev/null && ls "$(pyenv root)"/versions/3.11*/bin/python3.11 2>/dev/null | head -1) || command -v python3)
-  if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, hypothesis, transformers, jax_triton, kernels" 2>/dev/null; then
+  if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, xdist, hypothesis, transformers, jax_triton, kernels" 2>/dev/null; then
     "$PYBIN" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 jax==0.10.2 jaxlib==0.10.2 \
-      ml_dtypes "numpy<2.4" pytest hypothesis ruff matplotlib transformers kernels jax-cuda13-plugin==0.10.2 jax-triton==0.3.1
+      ml_dtypes "numpy<2.4" pytest pytest-xdist hypothesis ruff matplotlib transformers kernels jax-cuda13-plugin==0.10.2 jax-triton==0.3.1
     .venv/bin/python -m pip install -q --no-deps -e .
   fi
+  # JAX with the CUDA plugin on a machine without CUDA prints a cuDNN traceback at its first call: this
+  # venv's Python starts with JAX on the CPU unless JAX_PLATFORMS says otherwise (a .pth line runs at start-up,
+  # before any import; the lowering tests name CUDA in jax.export, which needs no CUDA backend).
+  echo 'import os; os.environ.setdefault("JAX_PLATFORMS", "cpu")' \
+    > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/xkern-jax-cpu.pth"
   PY=.venv/bin/python
   export TRITON_INTERPRET=1 JAX_PLATFORMS=cpu
 fi

@@ -55,11 +55,12 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert "worst xkern / best peer" in summary and "worst JAX / torch" in summary
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.block_profile` itself there")
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.block_profile` itself there")
 def test_block_profile_runs(tmp_path):
-    """The compiled block's host profile (`benchmarks.block_profile`) on CPU: both norms' compiled steps run,
+    """The compiled block's host profile (`tools.block_profile`) on CPU: both norms' compiled steps run,
     and the report names them (a diagnostic for the GPU; its numbers here mean nothing)."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.block_profile", "--out", str(tmp_path), "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "tools.block_profile", "--out", str(tmp_path), "--steps", "2",
                            "--code", "--together"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (tmp_path / "block_profile.txt").read_text()
@@ -69,7 +70,7 @@ def test_block_profile_runs(tmp_path):
 
 @pytest.mark.parametrize("impl", ["xkern (jax)", "jax.jit (XLA)"])
 def test_dependent_cotangent_step_computes_the_same(impl):
-    """`runner.jax_loop(dependent=True)` (`benchmarks.dependent_cot`) only orders the backward after y: one
+    """`runner.jax_loop(dependent=True)` (the benchmark's JAX fwd+bwd step) only orders the backward after y: one
     fwd+bwd step gives bitwise the same grads and next cotangent as the benchmark's step."""
     import jax
     import jax.numpy as jnp
@@ -121,6 +122,7 @@ def test_kernels_empty_swaps_every_launch_and_restores():
     assert torch.allclose(dx.float(), ref, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.slow  # the smoke run above covers the host tables; this, `--host` alone
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
 def test_host_tables_alone(tmp_path):
     """`--host`: the host-cost and block tables only (a short device call after a call-path change)."""
@@ -137,24 +139,11 @@ def test_host_tables_alone(tmp_path):
     assert sum("wall_us" in b for b in results["block"]) == 4
 
 
-def test_step_timeline_times_each_part():
-    """`benchmarks.step_timeline` (where an eager training step's host time goes): every part measured, the
-    backward timed from inside it and the Function's own backward restored afterwards."""
-    from benchmarks import step_timeline
-    from torch_api.rms_norm import _RMSNormFunction
-
-    real = _RMSNormFunction.__dict__["backward"]
-    for kind in ("xkern", "allocations only"):
-        got = step_timeline.timeline(kind, 3, DEVICE, warmup=1)
-        assert set(got) == {"release", "forward", "to backward", "backward", "after", "step"}
-        assert all(v > 0 for v in got.values()) and got["step"] >= got["backward"]
-    assert _RMSNormFunction.__dict__["backward"] is real
-
-
 def test_index_threshold_times_both_regimes():
-    """`benchmarks.index_threshold`: each index op in both regimes (one launch and two) at each slot count, the
+    """`tools.index_threshold`: each index op in both regimes (one launch and two) at each slot count, the
     regimes' results equal bit for bit, the forced threshold restored afterwards."""
-    from benchmarks import index_threshold, timing
+    from benchmarks import timing
+    from tools import index_threshold
     from xkern import permute as XP
 
     saved = XP.ONE_LAUNCH_SLOTS
@@ -209,20 +198,6 @@ def test_host_grad_rows_time_the_device_on_their_own_calls(monkeypatch):
         timing.set_smoke(False)
 
 
-def test_parity_timing_runs_every_method():
-    """`benchmarks.parity_timing`: xkern's backward timed the sweep's way in both frameworks and chained in
-    torch (JAX's loop feeds each dx to the next call)."""
-    from benchmarks import parity_timing, timing
-
-    timing.set_smoke(True)
-    try:
-        got = parity_timing.torch_times(8, 64, 2)
-        got["jax"] = parity_timing.jax_time(8, 64)
-    finally:
-        timing.set_smoke(False)
-    assert len(got) == 3 and all(v > 0 for v in got.values())
-
-
 def test_sweep_widths_select_cases_and_name_the_output():
     """`--sweep --widths`: only the cases of those widths, written to a file named by them."""
     from benchmarks import main
@@ -237,6 +212,9 @@ def test_sweep_widths_select_cases_and_name_the_output():
     assert everything and picked == everything and not none
     assert all(case.shape[-1] == 96 for _, case, _ in picked)
     assert main.output_stem("NVIDIA H200", args("4096,96")).startswith("nvidia-h200-sweep-w96-4096-")
+    # results/<gpu kind>/: the device name without its memory size
+    assert [main.gpu_kind(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe")] == [
+        "nvidia-h100", "nvidia-h200", "nvidia-h100-pcie"]
 
 
 def test_merge_replaces_rows_of_a_later_part(tmp_path):
@@ -263,9 +241,10 @@ def test_merge_replaces_rows_of_a_later_part(tmp_path):
 
 
 def test_plan_probe_times_candidates_and_restores_the_plan():
-    """`benchmarks.plan_probe`: the plan and each candidate run through the torch front end (the candidate's
+    """`tools.plan_probe`: the plan and each candidate run through the torch front end (the candidate's
     results close to the plan's), and the plan is back in place afterwards."""
-    from benchmarks import plan_probe, timing
+    from benchmarks import timing
+    from tools import plan_probe
     from xkern import rms_norm as XR
 
     timing.set_smoke(True)
@@ -290,7 +269,7 @@ def test_plan_probe_sets_build_their_launches():
     """Every candidate of every `plan_probe` set builds a launch at its case's shape (a set that fails only on
     the GPU machine costs a device call); the row-backward rules cover every width up to 6 x 4096 in blocks
     that leave at most 1/8 masked (a power of two otherwise) and at most 32 warps."""
-    from benchmarks import plan_probe
+    from tools import plan_probe
 
     for name, cases in plan_probe.candidate_sets().items():
         for _, m, n, _, candidates in cases:
@@ -302,21 +281,3 @@ def test_plan_probe_sets_build_their_launches():
             c = rule(1000, n, 1e-6).bwd.constexprs
             padded = c["BLOCK_N"] * c["SPLIT"]
             assert padded >= n and ((padded - n) * 8 <= padded or c["SPLIT"] == 1), (n, c)
-
-
-def test_placement_moves_buffers_not_results():
-    """`benchmarks.placement`: each layout carves the recipe's buffers at its gaps in one pool; every layout
-    runs the recipe to the same results bit for bit (the benchmark's check that only placement changed)."""
-    from benchmarks import placement, timing
-
-    timing.set_smoke(True)
-    try:
-        rows = placement.measure([64], "bwd", 64 * 40, DEVICE, log=lambda *_: None)
-        rows += placement.measure([300], "fwd", 300 * 3, DEVICE, log=lambda *_: None)
-    finally:
-        timing.set_smoke(False)
-    assert [r["layout"] for r in rows] == list(placement.LAYOUTS) * 2
-    assert all(r["same_result"] and r["us"] > 0 for r in rows), rows
-    pool = torch.empty(1 << 20, dtype=torch.uint8)
-    got = placement.carve(pool, {"b": 1000}, [("a", (10,), torch.bfloat16), ("b", (4,), torch.float32)])
-    assert got["b"].data_ptr() - got["a"].data_ptr() == 1024  # a's 20 bytes and the gap, rounded up to 256

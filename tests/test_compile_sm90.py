@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.sm90_static  # conftest.py: CPU CI runs these, a GPU run skips them
 
 
+@pytest.mark.slow  # ~100 s on 2 cores: every variant compiled; run it before a GPU call after a kernel edit
 def test_every_plan_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     root = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ def test_every_plan_variant_compiles_for_sm90():
     assert " 0 failed" in run.stdout and "passed" in run.stdout
 
 
+@pytest.mark.slow  # every variant through torch's access analysis
 def test_triton_op_bodies_write_only_their_outputs():
     """torch.compile's view of every kernel variant (torch's wrap_triton access analysis, sm_90 target): no
     input pointer counted as written. One that is makes Inductor treat x or dy as mutated (a leaf that

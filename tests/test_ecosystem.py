@@ -31,6 +31,14 @@ def _readme_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+def test_readme_runs_every_python_block_and_stays_short():
+    """Every Python block of the README is one the tests below run (those of its ecosystem section), and the
+    README stays a user's entry point (details live in docs/)."""
+    text = (ROOT / "README.md").read_text()
+    assert re.findall(r"```python\n(.*?)```", text, re.S) == _readme_blocks()
+    assert len(text.splitlines()) <= 250
+
+
 # ---------------------------------------------------------------------------------------------------
 # PyTorch: the README block, torch.compile(fullgraph), opcheck
 

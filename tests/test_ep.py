@@ -158,7 +158,7 @@ def _run_ranks(world: int, store: str, worker=_worker) -> None:
                 p.join()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ep_dispatch_combine_gloo(world, tmp_path):
     try:
         _run_ranks(world, str(tmp_path / "store"))

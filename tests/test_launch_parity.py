@@ -178,6 +178,7 @@ def _child() -> None:
     print(f"identical PTX for {compared} kernel launches (at width 1: the same arithmetic)")
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: every RMSNorm launch compiled twice for sm_90
 def test_torch_and_jax_launch_identical_ptx():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")

@@ -278,7 +278,8 @@ def test_random_layouts(seed):
     assert all(same_bits(t, r) and same_bits(j, r) for r, t, j in zip(ref, got_t, got_j, strict=True))
 
 
-@pytest.mark.parametrize("max_len", [ONE_LAUNCH_SLOTS, ONE_LAUNCH_SLOTS + 1])
+@pytest.mark.parametrize("max_len", [pytest.param(ONE_LAUNCH_SLOTS, marks=pytest.mark.slow),  # one program, 4096 slots
+                                     ONE_LAUNCH_SLOTS + 1])
 def test_both_regimes_of_the_index_ops(max_len):
     """generate_permute_indices, unpermute_rows and inverse_permutation take one launch up to ONE_LAUNCH_SLOTS
     slots and two above: both match the oracle (rows dropped past max_len included) in both front ends."""

@@ -28,6 +28,7 @@ WIDTHS = [1, 3, 64, 80, 127, 128, 129, 300, 640, 2048, 2049, 2560, 5000]
 ROWS = [0, 1, 7, 33]
 DTYPES = ["bfloat16", "float16", "float32"]
 EPS = 1e-6
+SLOW = pytest.mark.slow  # the costly widths: CI runs them after the README's test command (pyproject markers)
 
 
 def _rng(*key) -> np.random.Generator:
@@ -110,7 +111,8 @@ def test_jax_bitwise_equals_torch(dtype, width):
         assert same_bits(a, b), f"{name} differs between jax_api and torch_api"
 
 
-@pytest.mark.parametrize("width", [300, 2880, 5000, 9000, 13000, 20000, 40000, 70000])  # forward row kernel in
+@pytest.mark.parametrize("width", [300, 2880, 5000, 9000, 13000, 20000, pytest.param(40000, marks=SLOW),
+                                   pytest.param(70000, marks=SLOW)])  # forward row kernel in
 # blocks (5000, 9000, 20000), in three read twice, the last ragged (2880: gpt-oss), and with its reload (13000,
 # 40000); backward tiles with the prefetch (300, 5000), in 3
 # blocks of 4096 (9000), backward row kernel (13000); column-split backward (20000 up); chunked forward (70000)
@@ -176,29 +178,30 @@ def test_strided_views_read_in_place():
     assert same_bits(xs.grad, xc.grad)
 
 
-def test_every_output_element_is_written():
+@pytest.mark.parametrize("rows, width", [(33, 128), (37, 80), (7, 300), (5, 2560), (2, 9000),
+                                         pytest.param(2, 20000, marks=SLOW), pytest.param(1, 70000, marks=SLOW)])
+def test_every_output_element_is_written(rows, width):
     """Launch the plans on NaN-poisoned outputs: a missed element would stay NaN."""
-    rng = _rng("poison")
-    for rows, width in ((33, 128), (37, 80), (7, 300), (5, 2560), (2, 9000), (2, 20000), (1, 70000)):
-        x, w, dy = (to_torch(a) for a in _inputs(rng, (rows, width), "bfloat16"))
-        y = torch.full_like(x, float("nan"))
-        launch(plan_rms_norm_fwd(rows, width, EPS), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
-               y_row_stride=width)
-        assert same_bits(y, torch_api.rms_norm(x, w, EPS))
-        plan = plan_rms_norm_bwd(rows, width, EPS)
-        scalars = dict(n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width, dx_row_stride=width)
-        inputs = [x, w, dy]
-        if plan.stats is not None:
-            stats = torch.full((rows, 2), float("nan"), device=x.device)
-            launch(plan.stats, *inputs, stats, **scalars)
-            inputs.append(stats)
-        dx = torch.full_like(x, float("nan"))
-        partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
-        dw = torch.full_like(w, float("nan"))
-        launch(plan.bwd, *inputs, dx, partial, **scalars)
-        launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
-        ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
-        assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
+    rng = _rng("poison", width)
+    x, w, dy = (to_torch(a) for a in _inputs(rng, (rows, width), "bfloat16"))
+    y = torch.full_like(x, float("nan"))
+    launch(plan_rms_norm_fwd(rows, width, EPS), x, w, y, n_rows=rows, n_cols=width, x_row_stride=width,
+           y_row_stride=width)
+    assert same_bits(y, torch_api.rms_norm(x, w, EPS))
+    plan = plan_rms_norm_bwd(rows, width, EPS)
+    scalars = dict(n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width, dx_row_stride=width)
+    inputs = [x, w, dy]
+    if plan.stats is not None:
+        stats = torch.full((rows, 2), float("nan"), device=x.device)
+        launch(plan.stats, *inputs, stats, **scalars)
+        inputs.append(stats)
+    dx = torch.full_like(x, float("nan"))
+    partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
+    dw = torch.full_like(w, float("nan"))
+    launch(plan.bwd, *inputs, dx, partial, **scalars)
+    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
+    ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
+    assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
 
 
 @pytest.mark.parametrize("shape", [(33, 128), (5, 64)])
@@ -286,7 +289,8 @@ def test_variant_matches_oracle_and_torch_equals_jax(variant, dtype, w_dtype, wi
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("width", [9000, 20000, 70000])  # backward row kernel; statistics + column split; chunked
+@pytest.mark.parametrize("width", [9000, pytest.param(20000, marks=SLOW), pytest.param(70000, marks=SLOW)])
+# the backward row kernel; statistics + column split; chunked
 def test_variant_wide_rows(variant, width):
     x, w, dy = _inputs(_rng("variant wide", variant, width), (2, width), "bfloat16", None, variant)
     torch_out = _torch_run(x, w, dy, EPS, variant)
@@ -371,7 +375,7 @@ def test_jax_vmap_grad_and_batched_weight():
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("width", [9000, 20000])  # the backward's row kernel; statistics + column split
+@pytest.mark.parametrize("width", [9000, pytest.param(20000, marks=SLOW)])  # the row kernel; statistics + column split
 def test_jax_vmap_per_example_grads_of_wide_rows(width):
     rng = _rng("vmap wide", width)
     x = jnp.asarray(rand(rng, (2, 3, width), "bfloat16"))
@@ -425,6 +429,7 @@ def test_bad_inputs_raise_clear_errors():
         jax_api.rms_norm(jx, jw, -1e-6)
 
 
+@pytest.mark.slow
 def test_four_byte_elements_take_the_chunked_forward_above_32768():
     """A 4-byte x or w would spill in the row kernel at 65536: the plan chunks it, and both paths agree."""
     from xkern.rms_norm import _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
@@ -466,7 +471,7 @@ def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split)
     (5120, 1024, 5, 8, "olmo2"), (16384, 16384, 1, 16, "llama")])
 def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, num_warps, variant):
     """The backward's row kernel (rows read twice) over SPLIT blocks, w held in registers or re-read (HOLD_W),
-    two persistent programs over five rows: the candidates `benchmarks.plan_probe --set bwd-row` times, checked
+    two persistent programs over five rows: the candidates `tools.plan_probe --set bwd-row` times, checked
     against the oracle on NaN-poisoned outputs before GPU time decides them; re-reading w gives the same bits."""
     from xkern.launch import Launch
     from xkern.rms_norm import _rms_norm_bwd_row_kernel, plan_dw_reduce

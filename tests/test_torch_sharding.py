@@ -40,7 +40,7 @@ def _report(world: int) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dtensor(world, case):
     assert _report(world)[case] == "ok"
 

@@ -4,7 +4,7 @@ front end's eager executors, a CUDA graph of the pass, `runner.torch_make_calls`
 reduction included, through the path users take. Each candidate's results are compared with the plan's
 (max abs difference; the suite checks the plan finally chosen against the oracle).
 
-    python -m benchmarks.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split]
+    python -m tools.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split]
                                     [--out DIR]
 
 Sets (session 16, docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)

@@ -8,7 +8,7 @@ per eager call (a tight loop, one synchronize; the two regimes taken in turn), a
 are checked equal bit for bit (pure data movement) before anything is timed. Above 4096 slots the one-launch
 generate spills (its one block holds every slot; docs/design.md), so its rows there bound a looped form.
 
-    python -m benchmarks.index_threshold [--tokens 64,128,256,384,512,768,1024] [--hidden 4096] [--out DIR]
+    python -m tools.index_threshold [--tokens 64,128,256,384,512,768,1024] [--hidden 4096] [--out DIR]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Offline sweep of RMSNorm launch configurations on the GPU (what the fixed plans in xkern/ come from).
 
-    python -m benchmarks.tune_rms_norm [--passes fwd,bwd,cols,reduce] [--out results.json]
+    python -m tools.tune_rms_norm [--passes fwd,bwd,cols,reduce] [--out results.json]
 
 Times each candidate with `timing.do_bench_us` (median, L2 flushed before each call) and prints the
 fraction of the copy ceiling over the minimum bytes, the current plan's figure beside the best. Candidates

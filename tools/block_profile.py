@@ -2,7 +2,7 @@
 mode (compile, reduce-overhead) and norm (xkern, HF eager): wall µs per step, Inductor's counters (CUDA
 graph skips among them), the top functions of a cProfile of the steps, and Inductor's generated code.
 
-    python -m benchmarks.block_profile --out DIR [--steps 200] [--modes compile,reduce-overhead] [--code] [--together]
+    python -m tools.block_profile --out DIR [--steps 200] [--modes compile,reduce-overhead] [--code] [--together]
 
 Writes DIR/block_profile.txt, with `--code` DIR/block-<mode>-<norm>-<i>.py (the generated modules). A diagnostic: its
 numbers are not the benchmark's (that is `benchmarks.host.block_table`, timed in turn).

@@ -1,6 +1,6 @@
 """Registers and spills of the RMSNorm plans at the benchmark shapes, for sm_90, from this CPU machine.
 
-    python -m benchmarks.registers [--sweep | --candidates]      (without TRITON_INTERPRET)
+    python -m tools.registers [--sweep | --candidates]      (without TRITON_INTERPRET)
 
 Compiles each plan's kernel as the launchers do (`xkern.compile_check.source`: 16-byte aligned pointers)
 and runs Triton's bundled `ptxas -v` on the PTX: a kernel that spills, or whose registers cap the warps
@@ -105,7 +105,7 @@ def candidates():
     programs per SM (resident; the candidate asks for `ask`), the bytes of x and dy in flight per SM when
     every resident program reads its row (or tile) at once, and SASS per element (the loop's instructions
     times threads over the elements one pass of it takes)."""
-    from benchmarks.plan_probe import _BWD_ROW_CANDIDATES, bwd_row
+    from tools.plan_probe import _BWD_ROW_CANDIDATES, bwd_row
 
     print("| width | candidate | warps | registers | spill bytes | programs/SM (ask) | KB in flight/SM | "
           "SASS per element |")
