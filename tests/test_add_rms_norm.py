@@ -217,3 +217,49 @@ def test_empty_and_recipes_cache():
     plain = add_rms_norm_bwd_recipe(4, 128, EPS, "bfloat16", "bfloat16", "bfloat16", False)
     assert [s.launch.kernel.fn.__name__ for s in plain.steps if s.launch] == ["_rms_norm_bwd_kernel",
                                                                               "_dw_reduce_kernel"]
+
+
+def test_compile_rewrites_norm_of_a_sum_to_the_fused_op():
+    """Dynamo's graph of `rms_norm(x + r)` (and the sum used again, as in a decoder layer) through
+    `fuse_add_rms_norm`, then AOT autograd: the fused op in the forward graph, its backward op in the backward
+    graph, no separate add or norm; values and gradients bit for bit the eager pair's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torch_api.compile_fusion import enable_compile_fusion, fuse_add_rms_norm
+
+    graphs, rewrites = [], []
+
+    def keep(gm, _):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        rewrites.append(fuse_add_rms_norm(gm.graph))
+        gm.recompile()
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    def block(x, r, w):
+        s = r + x
+        return torch_api.rms_norm(s, w, EPS) * 2, s
+
+    rng, x, r, w = _inputs(("compile-fusion",), 9, 128, "bfloat16", "bfloat16")
+    dy, ds = rand(rng, (9, 128), "bfloat16"), rand(rng, (9, 128), "bfloat16")
+    outs = []
+    for fn in (torch.compile(block, backend=backend, fullgraph=True), block):
+        tx, tr, tw = (to_torch(a).requires_grad_() for a in (x, r, w))
+        y, s = fn(tx, tr, tw)
+        torch.autograd.backward([y, s], [to_torch(dy), to_torch(ds)])
+        outs.append((y, s, tx.grad, tr.grad, tw.grad))
+    assert rewrites == [1]
+    targets = [{str(n.target) for n in g.nodes if n.op == "call_function"} for g in graphs]
+    assert "xkern.add_rms_norm_fwd.default" in targets[0] and "xkern.rms_norm_fwd.default" not in targets[0]
+    assert "xkern.add_rms_norm_bwd.default" in targets[1] and "xkern.rms_norm_bwd.default" not in targets[1]
+    assert not any("aten.add" in t for t in targets[0])
+    for a, b in zip(*outs):
+        assert same_bits(to_numpy(a), to_numpy(b))
+    with torch._inductor.config.patch(pre_grad_custom_pass=None):
+        enable_compile_fusion()
+        enable_compile_fusion()  # idempotent
+        passes = torch._inductor.config.pre_grad_custom_pass
+        assert passes is not None and not isinstance(passes, (list, tuple))
