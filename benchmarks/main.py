@@ -196,7 +196,7 @@ def run(args) -> int:
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
         "rms_norm": {"eps": 1e-6}, "permute": {},
-        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "skipped": [],
+        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "add_rms_norm": [], "skipped": [],
     }
     if "permute" in str(args.only) or args.only is None:
         from benchmarks.permute import ROUTING
@@ -226,6 +226,10 @@ def run(args) -> int:
         save()
         if not mode.startswith("host"):
             results["sharded"] = sharded.sharded_table(device, log)
+    if args.only == "add_rms_norm" or host_first and not mode.startswith("host"):
+        from benchmarks.add_rms_norm import add_rms_norm_table
+
+        results["add_rms_norm"] = add_rms_norm_table(device, ceiling, log)
     save()
 
     for i, (op, case, timed) in enumerate(work):
@@ -253,6 +257,10 @@ def run(args) -> int:
                               log=log)
     else:
         md = report.markdown(results, "(not written)", [])
+    if results["add_rms_norm"]:
+        from benchmarks.add_rms_norm import markdown as add_rms_norm_markdown
+
+        md += "\n\n" + add_rms_norm_markdown(results["add_rms_norm"])
     log("\n" + md)
     if json_path:
         log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
@@ -269,6 +277,13 @@ def failures(results: dict, strict: bool) -> int:
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r.get('check')}")
         elif r["status"].startswith("error") and (xkern or strict):
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r['status']}")
+    for r in results["add_rms_norm"]:
+        if r["impl"].startswith("xkern") and (r.get("check", "pass").startswith("fail")
+                                              or r.get("bitwise_equal_torch") is False
+                                              or r["status"].startswith("error")):
+            bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r.get('check')} {r['status']}")
+        elif strict and r["status"].startswith("error"):
+            bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r['status']}")
     for r in results["host"] + results["block"] + results["sharded"]:
         if strict and r.get("status", "").startswith("error"):
             bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode', r.get('form')))}: {r['status']}")
@@ -294,7 +309,7 @@ def main(argv=None) -> int:
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
-    parser.add_argument("--only", choices=("rms_norm", "permute"), help="one op only")
+    parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
     parser.add_argument("--out", help="where results go (default: benchmarks/results on a GPU, nothing on CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new case after this many seconds (GPU default 420; sweep 3000)")
