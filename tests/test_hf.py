@@ -450,6 +450,22 @@ def test_fused_residual_norm_layers_match_eager(model_type, monkeypatch):
     assert grads.keys() == grads_ref.keys() and all(_same(g, grads_ref[n]) for n, g in grads.items())
 
 
+def test_fused_residual_norms_by_class_patching():
+    ref = _model("llama")
+    try:
+        patched = torch_api.patch_hf_classes("llama", fuse_residual=True)
+        assert {c.__name__ for c in patched} == {"LlamaDecoderLayer", "LlamaRMSNorm"}
+        model = _model("llama")
+        assert torch_api.fuse_residual_norms(model) == 0  # already fused through its class
+        assert _same(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    finally:
+        torch_api.unpatch_hf_classes()
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    assert "forward" in LlamaDecoderLayer.__dict__ and hf.fused_layer_forward(LlamaDecoderLayer) is not \
+        LlamaDecoderLayer.forward
+
+
 def test_fused_residual_norms_leave_other_layers_alone():
     class Layer(torch.nn.Module):  # the add after the norm: not the Llama pattern
         def __init__(self):

@@ -158,6 +158,11 @@ def hf_norm_classes(*model_types: str) -> list[type]:
     """The norm classes (named like NORM_NAME) defined in `transformers.models.<name>.modeling_*` for each
     name of `model_types` (the package names: "llama", "qwen3", "gemma3", "llama4", ...), or for every
     installed model when none is given (that imports every modeling module: ~20 s on a CPU)."""
+    return _modeling_classes(model_types, NORM_NAME)
+
+
+def _modeling_classes(model_types, name_pattern) -> list[type]:
+    """The nn.Module classes named like `name_pattern` defined in the modeling modules of `model_types`."""
     import transformers.models as models
 
     names = model_types or [m.name for m in pkgutil.iter_modules(models.__path__) if m.ispkg]
@@ -178,7 +183,7 @@ def hf_norm_classes(*model_types: str) -> list[type]:
                 continue
             for obj in vars(module).values():
                 if (isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__
-                        and NORM_NAME.search(obj.__name__)):
+                        and name_pattern.search(obj.__name__)):
                     found[obj] = None
     return list(found)
 
@@ -263,10 +268,13 @@ def _is_unpatched(m: torch.nn.Module) -> bool:
     return getattr(type(m), "forward", None) is not _class_forward and _is_unset(m, "forward")
 
 
-def replace_rms_norm(model: torch.nn.Module) -> int:
+def replace_rms_norm(model: torch.nn.Module, *, fuse_residual: bool = False) -> int:
     """Route the forward of every module of `model` whose class computes one of the math xkern computes
     (`norm_math`) through `torch_api.rms_norm`; returns how many modules were patched (0 on a second call,
-    and for modules whose class `patch_hf_classes` patched)."""
+    and for modules whose class `patch_hf_classes` patched). `fuse_residual` (opt-in): also
+    `fuse_residual_norms(model)` (its layers are not counted)."""
+    if fuse_residual:
+        fuse_residual_norms(model)
     n = 0
     for m in model.modules():
         math = norm_math(type(m))
@@ -296,13 +304,22 @@ def _class_extra_repr(self) -> str:
     return ", ".join(s for s in (base, None if math is None else f"xkern={math.variant}") if s)
 
 
-def patch_hf_classes(*model_types: str) -> list[type]:
+def patch_hf_classes(*model_types: str, fuse_residual: bool = False) -> list[type]:
     """Patch the classes of `hf_norm_classes(*model_types)` whose math xkern computes, so that every model
     built afterwards (`from_pretrained`, `from_config`, direct construction) runs its norms through xkern.
-    Idempotent; returns the classes this call patched. `unpatch_hf_classes()` undoes it."""
+    `fuse_residual` (opt-in): also the decoder layer classes of those models that are the Llama layer
+    (`fused_layer_forward`: the add before `post_attention_layernorm` fused into it). Idempotent; returns
+    the classes this call patched. `unpatch_hf_classes()` undoes it."""
+    patched = []
+    if fuse_residual:
+        for cls in _modeling_classes(model_types, DECODER_LAYER_NAME):
+            fn = fused_layer_forward(cls)
+            if fn is not None and cls not in _ORIGINAL:
+                _ORIGINAL[cls] = {"forward": cls.__dict__.get("forward")}
+                cls.forward = fn
+                patched.append(cls)
     classes = hf_norm_classes(*model_types)
     maths = {cls: norm_math(cls) for cls in classes}  # probe all before patching any (subclasses inherit)
-    patched = []
     for cls, math in maths.items():
         if math is None or cls in _ORIGINAL:
             continue
@@ -389,6 +406,7 @@ _LAYER_STATEMENTS = (
 )
 _FUSED_STATEMENT = "hidden_states, residual = _xkern_add_norm(self.post_attention_layernorm, hidden_states, residual)"
 _LAYER_FORWARDS: dict = {}
+DECODER_LAYER_NAME = re.compile(r"DecoderLayer$")  # the layer classes `patch_hf_classes(fuse_residual=True)` reads
 
 
 def _is_attention_call(stmt) -> bool:
@@ -420,8 +438,8 @@ def fused_layer_forward(cls: type):
     if cls in _LAYER_FORWARDS:
         return _LAYER_FORWARDS[cls]
     fused = None
-    forward = cls.__dict__.get("forward") or getattr(cls, "forward", None)
     try:
+        forward = original_forward(cls)
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (TypeError, OSError, SyntaxError):
         tree = None
@@ -467,7 +485,7 @@ def fuse_residual_norms(model: torch.nn.Module) -> int:
         if not isinstance(norm, torch.nn.Module) or norm_math(type(norm)) is None or not _is_unset(m, "forward"):
             continue
         fn = fused_layer_forward(type(m))
-        if fn is not None:
+        if fn is not None and type(m).forward is not fn:  # (not already through its class)
             m.forward = _LayerForward(m, fn)
             n += 1
     return n
