@@ -4,7 +4,9 @@ The same recipes and kernels as the torch front end (`xkern/rms_norm.py`, "Fused
 same bits. vmap: the kernel calls are `custom_vmap` functions, a vmapped forward is more rows and a vmapped
 backward one launch with a batch grid axis (one dw per example); a batched weight maps over the batch.
 JAX hands the backward a zero cotangent for an unused residual_out, so the backward always reads it.
-Not partitioned (no custom_partitioning rule yet): under a sharded jit XLA gathers the operands.
+Under jit, sharded rows stay sharded (`jax.experimental.custom_partitioning`, as rms_norm's rows case in
+jax_api/sharding.py: each device runs the kernels on its rows, dw summed in fp32 over the row axes, then
+rounded once); a sharded hidden dim is gathered (no fused width-sharded path).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api.sharding import _dims, _factors, _local, _named, _partitioned
 from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
 
 
@@ -28,17 +31,70 @@ def _fwd(x, residual, weight, eps, variant, res_dtype):
     return y.reshape(x.shape), res.reshape(x.shape)
 
 
-def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims):
-    """d(sum) in residual_out's dtype and dw (None without a weight), one per vmapped example."""
+def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims, dw_dtype=None):
+    """d(sum) in residual_out's dtype and dw (None without a weight), one per vmapped example, in `dw_dtype`
+    (default weight's)."""
     n_cols = res.shape[-1]
     batch_shape = res.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
     n_rows = math.prod(res.shape[n_batch_dims:-1])
     recipe = add_rms_norm_bwd_recipe(n_rows, n_cols, eps, x_dtype, None if weight is None else weight.dtype.name,
-                                     res.dtype.name, True, n_batch=n_batch, variant=variant)
+                                     res.dtype.name, True, n_batch=n_batch, variant=variant,
+                                     dw_dtype=None if dw_dtype is None else jnp.dtype(dw_dtype).name)
     flat = (n_batch * n_rows, n_cols)
     dsum, dw = execute(recipe, x=res.reshape(flat), w=weight, dy=dy.reshape(flat), dres=dres.reshape(flat))
     return dsum.reshape(res.shape), None if weight is None else dw.reshape(batch_shape + weight.shape)
+
+
+@functools.cache
+def _fwd_sharded(eps: float, variant: str, res_dtype: str, ndim: int, weighted: bool):
+    """_fwd partitioned by rows (x and residual alike; the hidden dim gathered)."""
+    rows = " ".join(_factors(ndim - 1))
+    body = (lambda x, r, w: _fwd(x, r, w, eps, variant, res_dtype)) if weighted else \
+        (lambda x, r: _fwd(x, r, None, eps, variant, res_dtype))
+
+    def partition(mesh, arg_shapes, result_shape):
+        dims = _dims(arg_shapes[0])
+        dims[-1] = ()
+        xs = _named(mesh, dims)
+        return mesh, _local(body), (xs, xs), (xs, xs) + ((_named(mesh, [()]),) if weighted else ())
+
+    w_rule = ", n" if weighted else ""
+    return _partitioned(body, partition, f"{rows} n, {rows} n{w_rule} -> {rows} n, {rows} n")
+
+
+@functools.cache
+def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims: int, weighted: bool):
+    """_bwd partitioned by rows: dw of each device's rows in fp32, psum over the row axes, w's dtype once."""
+    batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
+    lead = " ".join(batch + rows)
+
+    def body(dy, dres, res, w=None, dw_dtype=None):
+        return _bwd(dy, dres, res, w, eps, variant, x_dtype, n_batch_dims, dw_dtype)
+
+    def dsum_only(dy, dres, res):
+        return body(dy, dres, res)[0]
+
+    def partition(mesh, arg_shapes, result_shape):
+        dims = _dims(arg_shapes[2])
+        dims[-1] = ()
+        row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
+        xs = _named(mesh, dims)
+        if not weighted:
+            return mesh, _local(dsum_only), xs, (xs, xs, xs)
+
+        def fn(dy, dres, res, w):
+            dsum, dw = body(dy, dres, res, w, jnp.float32)
+            if row_axes:
+                dw = jax.lax.psum(dw, row_axes)
+            return dsum, dw.astype(w.dtype)
+
+        return mesh, _local(fn), (xs, _named(mesh, dims[:n_batch_dims] + [()])), (xs, xs, xs, _named(mesh, [()]))
+
+    if not weighted:
+        return _partitioned(dsum_only, partition, f"{lead} n, {lead} n, {lead} n -> {lead} n")
+    return _partitioned(lambda dy, dres, res, w: body(dy, dres, res, w), partition,
+                        f"{lead} n, {lead} n, {lead} n, n -> {lead} n, {' '.join(batch)} n")
 
 
 def _broadcast(axis_size, in_batched, *args):
@@ -49,7 +105,9 @@ def _broadcast(axis_size, in_batched, *args):
 def _fwd_op(eps: float, variant: str, res_dtype: str):
     @jax.custom_batching.custom_vmap
     def op(x, residual, weight):
-        return _fwd(x, residual, weight, eps, variant, res_dtype)
+        if weight is None:
+            return _fwd_sharded(eps, variant, res_dtype, x.ndim, False)(x, residual)
+        return _fwd_sharded(eps, variant, res_dtype, x.ndim, True)(x, residual, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, residual, weight):
@@ -65,7 +123,9 @@ def _fwd_op(eps: float, variant: str, res_dtype: str):
 def _bwd_op(eps: float, variant: str, x_dtype: str, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, dres, res, weight):
-        return _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims)
+        if weight is None:
+            return _bwd_sharded(eps, variant, x_dtype, res.ndim, n_batch_dims, False)(dy, dres, res), None
+        return tuple(_bwd_sharded(eps, variant, x_dtype, res.ndim, n_batch_dims, True)(dy, dres, res, weight))
 
     @op.def_vmap
     def _(axis_size, in_batched, dy, dres, res, weight):
