@@ -2,9 +2,11 @@
 
 `y, residual_out = add_rms_norm(x, residual, w)` is Hugging Face's decoder-layer pair `residual_out = x +
 residual; y = norm(residual_out)` in one kernel (one read of x and residual, one write of y and residual_out),
-and its backward one kernel too (reads dy, residual_out's gradient, residual_out and w once each). Every call
-goes through the registered `torch.library.triton_op`s (eager, torch.compile, export alike); the recipes and
-the rounding contract are in `xkern/rms_norm.py` (search "Fused residual add").
+and its backward one kernel too (reads dy, residual_out's gradient, residual_out and w once each). Eager calls
+on plain tensors launch the recipes directly (an `Executor` per call signature, autograd through
+`_AddRMSNormFunction`); everything else (torch.compile, export, DTensor) goes through the registered
+`torch.library.triton_op`s. The recipes and the rounding contract are in `xkern/rms_norm.py` (search "Fused
+residual add").
 
 Autodiff: reverse mode through the joint backward kernel, with None for an unused gradient of either output.
 Forward-mode AD and torch.func transforms (jvp, vmap, grad) take the composite expression, as do second
@@ -14,21 +16,25 @@ the eager expression (x's dtype differs from residual_out's).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from torch_api._launch import (
+    Executor,
     check_device,
     check_tensor,
     dtype_name,
+    eager,
     forward_mode,
     functorch_active,
+    needs_autograd,
     register_op,
     rows_view,
     run_recipe,
 )
-from torch_api.rms_norm import _flat_weight, _w_dtype, rms_norm
+from torch_api.rms_norm import _aligned_weight, _flat_weight, _w_dtype, rms_norm
 from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
 
 
@@ -129,6 +135,8 @@ def _backward(ctx, dy, dres):
         dsum, dw = grads.get(id(s)), None if weight is None else grads.get(id(weight))
         dsum = torch.zeros_like(res) if dsum is None else dsum
         dsum = dsum if dres is None else dsum + dres
+    elif getattr(ctx, "direct", False):
+        dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, ctx.variant, ctx.x_dtype)
     else:
         dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, ctx.variant,
                                                     dtype_name(ctx.x_dtype))
@@ -138,6 +146,61 @@ def _backward(ctx, dy, dres):
 
 
 add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eager on plain tensors: the recipes' launches straight from an `Executor` cached per call signature (the
+# registered op's dispatch and Triton's launcher cost the host tens of µs per call). Inputs the kernels do
+# not read in place (not contiguous, not 16-byte aligned) are copied first.
+
+_FORWARDS: dict = {}
+_BACKWARDS: dict = {}
+
+
+def _direct_input(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.is_contiguous() and t.data_ptr() & 15 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _forward_direct(x, residual, weight, eps, variant, res_name):
+    key = (x.shape, x.dtype, residual.dtype, x.device, None if weight is None else weight.dtype, eps, variant,
+           res_name)
+    run = _FORWARDS.get(key)
+    if run is None:
+        recipe = add_rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], eps, dtype_name(x.dtype),
+                                         dtype_name(residual.dtype), _w_dtype(weight), res_name, variant=variant)
+        run = _FORWARDS[key] = Executor(recipe, ("x", "r", "w"), {"y": x.shape, "residual_out": x.shape})
+    y, res = run(_direct_input(x), _direct_input(residual), _aligned_weight(weight))
+    return y, res
+
+
+def _backward_direct(dy, dres, res, weight, eps, variant, x_dtype):
+    key = (res.shape, res.dtype, res.device, dy.dtype, dres is not None, None if weight is None else weight.dtype,
+           eps, variant, x_dtype)
+    run = _BACKWARDS.get(key)
+    if run is None:
+        recipe = add_rms_norm_bwd_recipe(math.prod(res.shape[:-1]), res.shape[-1], eps, dtype_name(x_dtype),
+                                         _w_dtype(weight), dtype_name(res.dtype), dres is not None, variant=variant)
+        shapes = {"dx": res.shape, "dw": weight.shape if weight is not None else (0,)}
+        run = _BACKWARDS[key] = Executor(recipe, ("x", "w", "dy", "dres"), shapes)
+    dsum, dw = run(res, _aligned_weight(weight), _direct_input(dy), _direct_input(dres))
+    return dsum, dw
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    """Eager autograd over the direct launches (plain tensors, no transform): the registered op's backward."""
+
+    @staticmethod
+    def forward(x, residual, weight, eps, variant, res_name):
+        return _forward_direct(x, residual, weight, eps, variant, res_name)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.direct = True
+
+    backward = staticmethod(_backward)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
@@ -157,4 +220,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
     if not torch.compiler.is_compiling() and (forward_mode() or functorch_active()):
         return _composite(x, residual, weight, float(eps), variant, getattr(torch, res_name))
+    if eager(x, residual) and (weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter)):
+        if needs_autograd(x, residual, weight):
+            return _AddRMSNormFunction.apply(x, residual, weight, float(eps), variant, res_name)
+        return _forward_direct(x, residual, weight, float(eps), variant, res_name)
     return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, float(eps), variant, res_name)
