@@ -478,3 +478,35 @@ def test_fused_residual_norms_leave_other_layers_alone():
     assert hf.fused_layer_forward(Layer) is None
     assert torch_api.fuse_residual_norms(torch.nn.Sequential(Layer(), torch.nn.Linear(8, 8))) == 0
     assert torch_api.fuse_residual_norms(_model("gemma3_text")) == 0  # its layer has four norms
+
+
+def test_compile_fusion_on_a_patched_model():
+    """`fuse_add_rms_norm` (what `enable_compile_fusion` installs) on Dynamo's graph of a patched Llama: the
+    norm of each residual sum (post-attention, and the final norm) becomes the fused op, forward and backward;
+    logits and gradients bitwise eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torch_api.compile_fusion import fuse_add_rms_norm
+
+    ref, model = _model("llama"), _model("llama")
+    torch_api.replace_rms_norm(model)
+    rewrites, graphs = [], []
+
+    def keep(gm, _):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        rewrites.append(fuse_add_rms_norm(gm.graph))
+        gm.recompile()
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    logits, grads = _logits_and_grads(torch.compile(model, backend=backend, fullgraph=True))
+    logits_ref, grads_ref = _logits_and_grads(ref)
+    assert rewrites == [2]
+    assert graphs[0].count("xkern.add_rms_norm_fwd.default") == 2 and graphs[0].count("xkern.rms_norm_fwd.default") == 1
+    assert graphs[1].count("xkern.add_rms_norm_bwd.default") == 2
+    assert _same(logits, logits_ref)
+    assert all(_same(g, grads_ref[n.removeprefix("_orig_mod.")]) for n, g in grads.items())
