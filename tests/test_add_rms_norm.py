@@ -266,3 +266,25 @@ def test_compile_rewrites_norm_of_a_sum_to_the_fused_op():
         enable_compile_fusion()  # idempotent
         passes = torch._inductor.config.pre_grad_custom_pass
         assert passes is not None and not isinstance(passes, (list, tuple))
+
+
+def test_torch_func_strided_and_zero_width():
+    """torch.func (vmap, grad) through the composite: bitwise the direct calls; strided views read as their
+    contiguous copies; width 0."""
+    rng, x, r, w = _inputs(("func",), 12, 64, "bfloat16", "bfloat16")
+    x, r, w = to_torch(x).view(3, 4, 64), to_torch(r).view(3, 4, 64), to_torch(w)
+    vm = torch.func.vmap(lambda x, r: torch_api.add_rms_norm(x, r, w, EPS)[0])(x, r)
+    assert same_bits(to_numpy(vm), to_numpy(torch.stack([torch_api.add_rms_norm(x[i], r[i], w, EPS)[0]
+                                                         for i in range(3)])))
+    gx = torch.func.grad(lambda x: torch_api.add_rms_norm(x, r, w, EPS)[0].float().sum())(x)
+    xs = x.clone().requires_grad_()
+    torch_api.add_rms_norm(xs, r, w, EPS)[0].float().sum().backward()
+    assert same_bits(to_numpy(gx), to_numpy(xs.grad))
+    big = torch.cat([x, r], -1)
+    got = torch_api.add_rms_norm(big[..., ::2], big[..., 64:], w, EPS)
+    want = torch_api.add_rms_norm(big[..., ::2].contiguous(), big[..., 64:].contiguous(), w, EPS)
+    assert all(same_bits(to_numpy(a), to_numpy(b)) for a, b in zip(got, want))
+    z, zr, zw = (torch.randn(*shape).requires_grad_() for shape in ((2, 0), (2, 0), (0,)))
+    y, s = torch_api.add_rms_norm(z, zr, zw)
+    (y.sum() + s.sum()).backward()
+    assert y.shape == s.shape == z.grad.shape == zr.grad.shape == (2, 0) and zw.grad.shape == (0,)
