@@ -288,3 +288,19 @@ def test_torch_func_strided_and_zero_width():
     y, s = torch_api.add_rms_norm(z, zr, zw)
     (y.sum() + s.sum()).backward()
     assert y.shape == s.shape == z.grad.shape == zr.grad.shape == (2, 0) and zw.grad.shape == (0,)
+
+
+def test_opcheck():
+    """torch.library.opcheck of the registered ops: schema, fake implementation, autograd registration."""
+    rng, x, r, w = _inputs(("opcheck",), 4, 64, "bfloat16", "float32")
+    x, r, w = to_torch(x), to_torch(r), to_torch(w)
+    torch.library.opcheck(torch.ops.xkern.add_rms_norm_fwd.default,
+                          (x.requires_grad_(), r.requires_grad_(), w.requires_grad_(), EPS, "llama", "float32"))
+    torch.library.opcheck(torch.ops.xkern.add_rms_norm_fwd.default, (x.detach(), r.detach(), None, EPS, "none",
+                                                                      "float32"))
+    res = (x.detach().float() + r.detach()).contiguous()
+    dy = torch.randn_like(x.detach())
+    torch.library.opcheck(torch.ops.xkern.add_rms_norm_bwd.default, (dy, torch.randn_like(res), res, w.detach(), EPS,
+                                                                      "llama", "bfloat16"))
+    torch.library.opcheck(torch.ops.xkern.add_rms_norm_bwd.default, (dy, None, res, w.detach(), EPS, "llama",
+                                                                      "bfloat16"))
