@@ -96,9 +96,35 @@ def compiled_eager():
     return torch.compile(eager, dynamic=False, fullgraph=True, backend=backend)
 
 
+def compiled_xkern_fusion():
+    """torch.compile of `rms_norm(x + r)` with xkern's norm and `enable_compile_fusion`'s pass (installed for
+    this function's compilation only): the compile path to the fused kernels."""
+    import torch
+    import torch._inductor.config as config
+
+    import torch_api
+    from torch_api import compile_fusion
+
+    def pair(x, r, w):
+        s = x + r
+        return torch_api.rms_norm(s, w, EPS), s
+
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    compiled = torch.compile(pair, dynamic=False, fullgraph=True, backend=backend)
+    with config.patch(pre_grad_custom_pass=None):
+        compile_fusion.enable_compile_fusion()
+        fusion = config.pre_grad_custom_pass
+
+    def call(x, r, w):
+        with config.patch(pre_grad_custom_pass=fusion):
+            return compiled(x, r, w)
+
+    return call
+
+
 def torch_impls() -> dict:
-    return {"xkern (torch)": xkern_torch, "HF eager": eager, "torch.compile": compiled_eager(), "Liger": liger(),
-            "quack": quack()}
+    return {"xkern (torch)": xkern_torch, "HF eager": eager, "torch.compile": compiled_eager(),
+            "torch.compile (xkern norm, fusion pass)": compiled_xkern_fusion(), "Liger": liger(), "quack": quack()}
 
 
 def jax_impls() -> dict:

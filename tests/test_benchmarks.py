@@ -340,5 +340,5 @@ def test_add_rms_norm_table_runs_every_path():
     assert all(r["check"] == "pass" and r["us"] for r in mine)
     assert all(r["bitwise_equal_torch"] for r in mine if r["impl"] == "xkern (jax)")
     ran = {r["impl"] for r in rows if r.get("us")}
-    assert {"HF eager", "torch.compile", "jax.jit (XLA)"} <= ran
+    assert {"HF eager", "torch.compile", "torch.compile (xkern norm, fusion pass)", "jax.jit (XLA)"} <= ran
     assert "add_rms_norm" in markdown(rows)
