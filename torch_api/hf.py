@@ -421,8 +421,9 @@ def _add_norm(norm: torch.nn.Module, hidden_states: torch.Tensor, residual: torc
     the norm's math on these inputs, else as the layer computed them."""
     math = norm_math(type(norm))
     weight = None if math is None or math.variant == "none" else norm.weight
+    # one dtype: the norm of the sum rounds `normed` to the sum's dtype, the fused op to x's
     if (math is not None and hidden_states.shape == residual.shape and hidden_states.dtype in _FLOATS
-            and residual.dtype in _FLOATS and (weight is None or weight.dtype in _FLOATS)
+            and residual.dtype == hidden_states.dtype and (weight is None or weight.dtype in _FLOATS)
             and (hidden_states.is_cuda or INTERPRET and hidden_states.device.type == "cpu")):
         from torch_api.add_rms_norm import add_rms_norm
 
