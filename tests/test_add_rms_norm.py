@@ -85,6 +85,7 @@ def _torch_run(x, r, w, dy, dres, variant, residual_dtype=None):
 CASES = [  # rows, width, x, residual, residual_dtype, variant, with residual_out's gradient
     (33, 128, "bfloat16", "bfloat16", None, "llama", True),
     (33, 128, "float16", "float32", None, "gemma", True),
+    (140, 8192, "bfloat16", "bfloat16", None, "llama", True),  # 132 programs: some take two tiles (prefetch)
     (3, 1000, "float32", "float32", None, "olmo2", False),
     (2, 1000, "bfloat16", "bfloat16", None, "none", True),
     (2, 5120, "bfloat16", "float32", None, "llama", False),

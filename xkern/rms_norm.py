@@ -417,6 +417,9 @@ def _rms_norm_bwd_tile(
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        if HAS_DRES:
+            dres_next = tl.load(DRES + rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=mask,
+                                other=0.0)
     for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
         if PREFETCH:
             x = x_next.to(tl.float32)
@@ -426,6 +429,10 @@ def _rms_norm_bwd_tile(
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
             dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            if HAS_DRES:
+                dres = dres_next
+                dres_next = tl.load(DRES + rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=mask,
+                                    other=0.0)
         else:
             cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
@@ -442,8 +449,9 @@ def _rms_norm_bwd_tile(
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx = rstd * (g - n * mean_gn)
         if HAS_DRES:
-            dres = tl.load(DRES + cur_rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=cur_mask,
-                           other=0.0)
+            if not PREFETCH:
+                dres = tl.load(DRES + cur_rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :],
+                               mask=cur_mask, other=0.0)
             dx = _with_dres(dx, dres, DX.dtype.element_ty)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
