@@ -297,7 +297,9 @@ def _block(norm: str, cfg: dict, device: str):
             return RN.hf_rms_norm(x, self.weight)
 
     def make_norm(dim):
-        return torch_api.RMSNorm(dim, RN.EPS) if norm == "xkern" else HFNorm(dim)
+        return torch_api.RMSNorm(dim, RN.EPS) if norm.startswith("xkern") else HFNorm(dim)
+
+    fused_add = norm == "xkern+add"  # the residual add before the MLP's norm in it (torch_api.add_rms_norm)
 
     class Block(torch.nn.Module):
         """Pre-norm: RMSNorm, causal attention (SDPA as the stand-in), RMSNorm, SwiGLU MLP."""
@@ -315,8 +317,12 @@ def _block(norm: str, cfg: dict, device: str):
             b, s, d = x.shape
             q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-            x = x + self.o(a)
-            gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+            if fused_add:
+                h, x = self.mlp_norm(self.o(a), x)
+            else:
+                x = x + self.o(a)
+                h = self.mlp_norm(x)
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
             return x + self.down(F.silu(gate) * up)
 
     torch.manual_seed(0)
@@ -325,14 +331,15 @@ def _block(norm: str, cfg: dict, device: str):
 
 def block_table(device: str, log) -> list[dict]:
     """Forward + backward of one block: eager, torch.compile, compile with CUDA graphs ("reduce-overhead"),
-    each with xkern's norm (torch_api.RMSNorm) and with the eager HF norm; the two norms' steps of a mode
-    timed in turn (`timing.host_us_interleaved`)."""
+    each with xkern's norm (torch_api.RMSNorm), with xkern's norm and the residual add fused into the MLP's
+    norm ("xkern+add": torch_api.add_rms_norm) and with the eager HF norm; the norms' steps of a mode timed in
+    turn (`timing.host_us_interleaved`)."""
     import torch
 
     cfg = BLOCK[device]
     rows = []
     for mode in ("eager", "compile", "reduce-overhead"):
-        by_norm = {norm: {"mode": mode, "norm": norm, "config": cfg} for norm in ("xkern", "HF eager")}
+        by_norm = {norm: {"mode": mode, "norm": norm, "config": cfg} for norm in ("xkern", "xkern+add", "HF eager")}
         rows += by_norm.values()
         if mode == "reduce-overhead" and device != "cuda":
             for row in by_norm.values():

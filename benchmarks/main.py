@@ -3,6 +3,9 @@
     python -m benchmarks.main [--quick | --sweep [--part K/N] [--widths W,...] | --host | --smoke] [--only OP]
                               [--out DIR] [--budget-s S]
 
+`--only add_rms_norm`: the fused residual add's table alone (benchmarks/add_rms_norm.py), into
+`<gpu>-add_rms_norm.json` and `.md`; a main run makes the table after the block step.
+
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
 step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
 every case of every op (`benchmarks/runner.py`: each xkern result checked before it is timed). Writes
@@ -188,6 +191,8 @@ def run(args) -> int:
     timing.set_smoke(args.smoke or not GPU)
     configure_dynamo()
     mode, work = plan(args)
+    if args.only == "add_rms_norm" and mode == "main":  # the fused add's table alone: README is not refreshed
+        mode = "add_rms_norm"
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
     stamp = datetime.datetime.now(datetime.timezone.utc)
     default_dir = os.path.join(RESULTS, gpu_kind(gpu))
@@ -208,7 +213,7 @@ def run(args) -> int:
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
         "rms_norm": {"eps": 1e-6}, "permute": {},
-        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "skipped": [],
+        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "add_rms_norm": [], "skipped": [],
     }
     if "permute" in str(args.only) or args.only is None:
         from benchmarks.permute import ROUTING
@@ -239,6 +244,10 @@ def run(args) -> int:
         save()
         if not mode.startswith("host"):
             results["sharded"] = sharded.sharded_table(device, log)
+    if args.only == "add_rms_norm" or host_first and not mode.startswith("host"):
+        from benchmarks.add_rms_norm import add_rms_norm_table
+
+        results["add_rms_norm"] = add_rms_norm_table(device, ceiling, log)
     save()
 
     for i, (op, case, timed) in enumerate(work):
@@ -266,6 +275,14 @@ def run(args) -> int:
                               log=log)
     else:
         md = report.markdown(results, "(not written)", [])
+    if results["add_rms_norm"]:  # its table after the report's (benchmarks/add_rms_norm.py)
+        from benchmarks.add_rms_norm import markdown as add_rms_norm_markdown
+
+        table = "\n\n" + add_rms_norm_markdown(results["add_rms_norm"]) + "\n"
+        md += table
+        if json_path:
+            with open(os.path.splitext(json_path)[0] + ".md", "a") as f:
+                f.write(table)
     log("\n" + md)
     if json_path:
         log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
@@ -282,6 +299,13 @@ def failures(results: dict, strict: bool) -> int:
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r.get('check')}")
         elif r["status"].startswith("error") and (xkern or strict):
             bad.append(f"{r['impl']} {r['op']} {r['pass']} {r['shape']}: {r['status']}")
+    for r in results["add_rms_norm"]:
+        if r["impl"].startswith("xkern") and (r.get("check", "pass").startswith("fail")
+                                              or r.get("bitwise_equal_torch") is False
+                                              or r["status"].startswith("error")):
+            bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r.get('check')} {r['status']}")
+        elif strict and r["status"].startswith("error"):
+            bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r['status']}")
     for r in results["host"] + results["block"] + results["sharded"]:
         if strict and r.get("status", "").startswith("error"):
             bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode', r.get('form')))}: {r['status']}")
@@ -307,7 +331,7 @@ def main(argv=None) -> int:
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
-    parser.add_argument("--only", choices=("rms_norm", "permute"), help="one op only")
+    parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
     parser.add_argument("--out", help="where results go (default: benchmarks/results/<gpu kind>/ on a GPU, nothing on "
                         "CPU)")
     parser.add_argument("--budget-s", type=float, default=None,

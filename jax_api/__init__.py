@@ -1,11 +1,13 @@
 """JAX front end of xkern: custom_vjp functions over the same Triton kernels and launch plans."""
 
+from jax_api.add_rms_norm import add_rms_norm
 from jax_api.ep import ep_combine, ep_dispatch
 from jax_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from jax_api.rms_norm import rms_norm
 from jax_api.sharding import rms_norm_tp
 
 __all__ = [
+    "add_rms_norm",
     "ep_combine",
     "ep_dispatch",
     "generate_permute_indices",

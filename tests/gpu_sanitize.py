@@ -60,6 +60,23 @@ def main():
             want = dw_ref.sum(keepdims=True) if leaf is one else dw_ref
             assert np.allclose(got if leaf is one else got[::2], want, rtol=1e-4, atol=1e-4)
             count += 1
+    # The fused residual add: each kernel family (tile, split, row, chunked / stats + columns), with an FP32
+    # residual stream where x is bf16, residual_out's gradient given
+    for rows, n in [(65, 128), (19, 129), (5, 2500), (3, 5000), (3, 9000), (3, 16385), (2, 40000), (2, 70000)]:
+        for r_dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            r = torch.randn(rows, n, device="cuda", dtype=r_dtype, generator=g).requires_grad_()
+            w = (1 + 0.5 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16).requires_grad_()
+            y, s = torch_api.add_rms_norm(x, r, w, 1e-5)
+            dy, ds = torch.randn_like(y), torch.randn_like(s)
+            torch.autograd.backward((y, s), (dy, ds))
+            y64, s_ref = R.add_rms_norm_fwd(_np(x), _np(r), _np(w), 1e-5)
+            assert np.array_equal(_np(s).astype(np.float64), s_ref.astype(np.float64))
+            R.check(_np(y), y64, "fwd")
+            dsum, dw_ref, tol = R.add_rms_norm_bwd(s_ref, _np(w), _np(dy), _np(ds), 1e-5, x_dtype=R.BF16)
+            R.check(_np(r.grad), dsum.astype(s_ref.dtype).astype(np.float64), "dx")
+            R.check(_np(w.grad), dw_ref, "dw", tol)
+            count += 1
     # up to 4096 slots the one-launch search forms, above them (6000 tokens) the scatter and settled gather
     for tokens, hidden, ranks, align in [(100, 1025, 2, 16), (64, 1, 1, 8), (0, 64, 2, 16), (333, 2048, 4, 128),
                                          (6000, 64, 4, 16)]:

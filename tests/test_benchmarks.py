@@ -41,7 +41,9 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert floors == {("rms_norm", "fwd"), ("rms_norm", "fwd+bwd"), ("permute_rows", "fwd"), ("unpermute_rows", "fwd"),
                       ("inverse_permutation", "fwd"), ("generate_permute_indices", "fwd")}
     assert "its floor" in path.with_suffix(".md").read_text()
-    assert sum("wall_us" in b for b in results["block"]) == 4  # eager and compile, two norms (graphs need CUDA)
+    assert sum("wall_us" in b for b in results["block"]) == 6  # eager and compile, three norms (graphs need CUDA)
+    fused = [r for r in results["add_rms_norm"] if r["impl"].startswith("xkern")]
+    assert fused and all(r["check"] == "pass" and r["us"] for r in fused)
     forms = {(r["framework"], r["form"]) for r in results["sharded"] if "device_us" in r}
     assert len(forms) == 7 and all(r["bitwise_equal_plain"] for r in results["sharded"] if "width" not in r["form"])
     md = path.with_suffix(".md").read_text()
@@ -136,7 +138,7 @@ def test_host_tables_alone(tmp_path):
     timed = {(r["op"], r["pass"], r["impl"]) for r in results["host"] if "wall_us" in r}
     assert ("rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)") in timed
     assert ("rms_norm", "fwd+bwd", "xkern (torch)") in timed
-    assert sum("wall_us" in b for b in results["block"]) == 4
+    assert sum("wall_us" in b for b in results["block"]) == 6
 
 
 def test_index_threshold_times_both_regimes():
@@ -281,3 +283,23 @@ def test_plan_probe_sets_build_their_launches():
             c = rule(1000, n, 1e-6).bwd.constexprs
             padded = c["BLOCK_N"] * c["SPLIT"]
             assert padded >= n and ((padded - n) * 8 <= padded or c["SPLIT"] == 1), (n, c)
+
+
+def test_add_rms_norm_table_runs_every_path():
+    """The fused add's table (`benchmarks.add_rms_norm`) at its smoke sizes: xkern checked against the oracle
+    and JAX bit for bit torch, every implementation and pass run through once."""
+    from benchmarks import timing
+    from benchmarks.add_rms_norm import add_rms_norm_table, markdown
+
+    timing.set_smoke(True)
+    try:
+        rows = add_rms_norm_table(DEVICE, 1000.0, lambda line: None)
+    finally:
+        timing.set_smoke(False)
+    mine = [r for r in rows if r["impl"].startswith("xkern")]
+    assert {r["impl"] for r in mine} == {"xkern (torch)", "xkern (jax)"} and len(mine) == 4
+    assert all(r["check"] == "pass" and r["us"] for r in mine)
+    assert all(r["bitwise_equal_torch"] for r in mine if r["impl"] == "xkern (jax)")
+    ran = {r["impl"] for r in rows if r.get("us")}
+    assert {"HF eager", "torch.compile", "torch.compile (xkern norm, fusion pass)", "jax.jit (XLA)"} <= ran
+    assert "add_rms_norm" in markdown(rows)

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import copy
 import io
+import sys
 
 import pytest
 import torch
@@ -429,3 +430,83 @@ def test_use_kernels_with_kernel_config_on_gpu(tmp_path):
     model = _from_pretrained_with_kernels(tmp_path, device_map=DEVICE, kernel_config=hf.kernel_config())
     assert all(m.forward.__func__ is hf.XkernRMSNorm.forward for m in _norms(model))
     assert _same(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+
+
+# --- the residual add fused into post_attention_layernorm (opt-in) ------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_fused_residual_norm_layers_match_eager(model_type, monkeypatch):
+    ref, model = _model(model_type), _model(model_type)
+    torch_api.replace_rms_norm(model)
+    assert torch_api.fuse_residual_norms(model) == TINY["num_hidden_layers"]
+    assert torch_api.fuse_residual_norms(model) == 0
+    module = sys.modules["torch_api.add_rms_norm"]
+    fused_calls, real = [], module.add_rms_norm
+    monkeypatch.setattr(module, "add_rms_norm", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    logits_ref, grads_ref = _logits_and_grads(ref)
+    logits, grads = _logits_and_grads(model)
+    assert len(fused_calls) == TINY["num_hidden_layers"] and _same(logits, logits_ref)
+    assert grads.keys() == grads_ref.keys() and all(_same(g, grads_ref[n]) for n, g in grads.items())
+
+
+def test_fused_residual_norms_by_class_patching():
+    ref = _model("llama")
+    try:
+        patched = torch_api.patch_hf_classes("llama", fuse_residual=True)
+        assert {c.__name__ for c in patched} == {"LlamaDecoderLayer", "LlamaRMSNorm"}
+        model = _model("llama")
+        assert torch_api.fuse_residual_norms(model) == 0  # already fused through its class
+        assert _same(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    finally:
+        torch_api.unpatch_hf_classes()
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    assert "forward" in LlamaDecoderLayer.__dict__ and hf.fused_layer_forward(LlamaDecoderLayer) is not \
+        LlamaDecoderLayer.forward
+
+
+def test_fused_residual_norms_leave_other_layers_alone():
+    class Layer(torch.nn.Module):  # the add after the norm: not the Llama pattern
+        def __init__(self):
+            super().__init__()
+            self.post_attention_layernorm = LlamaRMSNorm(8)
+
+        def forward(self, hidden_states):
+            return self.post_attention_layernorm(hidden_states) + hidden_states
+
+    assert hf.fused_layer_forward(Layer) is None
+    assert torch_api.fuse_residual_norms(torch.nn.Sequential(Layer(), torch.nn.Linear(8, 8))) == 0
+    assert torch_api.fuse_residual_norms(_model("gemma3_text")) == 0  # its layer has four norms
+
+
+def test_compile_fusion_on_a_patched_model():
+    """`fuse_add_rms_norm` (what `enable_compile_fusion` installs) on Dynamo's graph of a patched Llama: the
+    norm of each residual sum (post-attention, and the final norm) becomes the fused op, forward and backward;
+    logits and gradients bitwise eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torch_api.compile_fusion import fuse_add_rms_norm
+
+    ref, model = _model("llama"), _model("llama")
+    torch_api.replace_rms_norm(model)
+    rewrites, graphs = [], []
+
+    def keep(gm, _):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        rewrites.append(fuse_add_rms_norm(gm.graph))
+        gm.recompile()
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    logits, grads = _logits_and_grads(torch.compile(model, backend=backend, fullgraph=True))
+    logits_ref, grads_ref = _logits_and_grads(ref)
+    assert rewrites == [2]
+    assert graphs[0].count("xkern.add_rms_norm_fwd.default") == 2 and graphs[0].count("xkern.rms_norm_fwd.default") == 1
+    assert graphs[1].count("xkern.add_rms_norm_bwd.default") == 2
+    assert _same(logits, logits_ref)
+    assert all(_same(g, grads_ref[n.removeprefix("_orig_mod.")]) for n, g in grads.items())

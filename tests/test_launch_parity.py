@@ -157,6 +157,45 @@ def _child() -> None:
     for variant in VARIANTS:  # the other math: the tile, row and column-split backwards, both forwards
         for rows, n in VARIANT_SHAPES:
             compare(rows, n, "bfloat16", "float32" if variant == "olmo2" else "bfloat16", variant)
+    # The fused residual add: every recipe step of the forward and of the backward with residual_out's gradient
+    # (JAX always passes one), equal 16-bit dtypes and an fp32 residual stream.
+    from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
+
+    def recipe_ptx(recipe, env) -> dict:
+        env, out = dict(env), {}
+        for step in recipe.steps:
+            outs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device="meta") for b in step.outputs]
+            if step.launch is not None:
+                out[step.launch.kernel.fn.__name__] = _torch_ptx(step.launch, [env[n] for n in step.inputs] + outs,
+                                                                 step.scalars)
+            env.update(zip((b.name for b in step.outputs), outs))
+        return out
+
+    for rows, n in ((33, 128), (7, 5120), (3, 16384), (3, 20000)):
+        for x_dt, r_dt in (("bfloat16", "bfloat16"), ("bfloat16", "float32")):
+            res_dt = "float32" if "float32" in (x_dt, r_dt) else x_dt
+            S = jax.ShapeDtypeStruct
+
+            def loss(x, r, w):
+                y, res = jax_api.add_rms_norm(x, r, w, eps)
+                return jnp.sum(y.astype(jnp.float32)) + jnp.sum(res.astype(jnp.float32))
+
+            args = (S((rows, n), jnp.dtype(x_dt)), S((rows, n), jnp.dtype(r_dt)), S((n,), jnp.bfloat16))
+            with gpu_lowering():
+                exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                             disabled_checks=checks)(*args)
+            jax_ptx = _ptx_from_export(exported.mlir_module())
+            meta = {d: torch.empty((rows, n), dtype=getattr(torch, d), device="meta") for d in (x_dt, r_dt, res_dt)}
+            w = torch.empty((n,), dtype=torch.bfloat16, device="meta")
+            ours = recipe_ptx(add_rms_norm_fwd_recipe(rows, n, eps, x_dt, r_dt, "bfloat16", res_dt),
+                              dict(x=meta[x_dt], r=meta[r_dt], w=w))
+            ours.update(recipe_ptx(add_rms_norm_bwd_recipe(rows, n, eps, x_dt, "bfloat16", res_dt, True),
+                                   dict(x=meta[res_dt], w=w, dy=meta[x_dt], dres=meta[res_dt])))
+            for name, ptx in ours.items():
+                assert name in jax_ptx, f"add {rows}x{n} {x_dt}/{r_dt}: JAX launched no {name} ({sorted(jax_ptx)})"
+                assert all(other == ptx for other in jax_ptx[name]), \
+                    f"add {rows}x{n} {x_dt}/{r_dt}: {name} compiles differently from JAX"
+                compared += len(jax_ptx[name])
     # The gather: data movement only (parity cannot break there), but it must stay vectorized on both.
     from xkern.permute import plan_gather_rows
 

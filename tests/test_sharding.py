@@ -38,7 +38,7 @@ GATHER_CASES = {
 }
 CHECKS = ["fwd", "grad", "vmap", "remat"]
 CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["variants", "index ops",
-                                                                                  "readme step"]
+                                                                                  "readme step", "add rows"]
 
 
 @functools.cache
@@ -305,6 +305,30 @@ def _check_all(n_devices: int) -> dict:
         sharded_like(ns["dw"], ns["w"].sharding, "dw")
 
     case("readme step", readme_step)
+
+    def add_rows():  # add_rms_norm with rows sharded: local, bitwise one device's (dw: fp32 psum, then bf16)
+        mesh = meshes["1d"]
+        x0, r0, dy0, ds0 = (rng.standard_normal((8, 3, 64)).astype(R.BF16) for _ in range(4))
+        w0 = (1 + 0.5 * rng.standard_normal(64)).astype(R.BF16)
+        x_sh = NamedSharding(mesh, P("d"))
+
+        def f(x, r, w, dy, ds):
+            out, vjp = jax.vjp(lambda x, r, w: jax_api.add_rms_norm(x, r, w, eps), x, r, w)
+            return (*out, *vjp((dy, ds)))
+
+        f = jax.jit(f)
+        args = [jax.device_put(a, x_sh) for a in (x0, r0)] + [jax.device_put(w0, NamedSharding(mesh, P()))] + \
+            [jax.device_put(a, x_sh) for a in (dy0, ds0)]
+        got, want = f(*args), f(*(jnp.asarray(a) for a in (x0, r0, w0, dy0, ds0)))
+        no_all_gather(f, *args)
+        for name, a, b in zip(("y", "residual_out", "dx", "dresidual"), got, want):
+            sharded_like(a, x_sh, name)
+            same(a, b, name)
+        s64 = R.add_rms_norm_fwd(x0, r0, w0, eps)[1]
+        _, rdw, dw_tol = R.add_rms_norm_bwd(s64, w0, dy0, ds0, eps)
+        R.check(np.asarray(got[4]), rdw, "dw", abs_ok=dw_tol)
+
+    case("add rows", add_rows)
     return report
 
 

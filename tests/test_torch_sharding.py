@@ -9,6 +9,7 @@
   the width or replicated): no all-gather, y, dx and dw within the contract of the FP64 oracle.
 - The other variants (Gemma, OLMo2, no weight) on DTensors sharded on rows (local) or on the width (gathered):
   y and dx bitwise equal to one rank's, dw within the oracle's contract.
+- add_rms_norm on DTensors sharded on rows: y, residual_out and both input gradients bitwise one rank's.
 Each world size runs in one child process that spawns its ranks (rank 0 prints one line per case).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["tp block", "fsdp2", "gathers", "width sharded", "variants"]
+CASES = ["tp block", "fsdp2", "gathers", "width sharded", "variants", "add rows sharded"]
 DIM, HEADS, SEQ, BATCH, EPS = 32, 4, 8, 2, 1e-6
 
 
@@ -265,6 +266,26 @@ def _variants(rank: int, world: int, mesh) -> None:
                 assert err <= world * 2.0**-8 * np.abs(want_dw).max(), f"dw {what}: max error {err:.3g}"
 
 
+def _add_rows_sharded(rank: int, world: int, mesh) -> None:
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import torch_api
+
+    torch.manual_seed(6)
+    x, r, dy, ds = (torch.randn(2 * world, 3, 16).to(torch.bfloat16) for _ in range(4))
+    w = (1 + 0.5 * torch.randn(16)).to(torch.bfloat16)
+    xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+    want = torch_api.add_rms_norm(xs, rs, w, EPS)
+    torch.autograd.backward(want, (dy, ds))
+    xd, rd = (distribute_tensor(a, mesh, [Shard(0)]).requires_grad_() for a in (x, r))
+    got = torch_api.add_rms_norm(xd, rd, distribute_tensor(w, mesh, [Replicate()]), EPS)
+    assert all(g.placements == (Shard(0),) for g in got), [g.placements for g in got]
+    torch.autograd.backward(got, tuple(distribute_tensor(a, mesh, [Shard(0)]) for a in (dy, ds)))
+    for a, b in zip((*got, xd.grad, rd.grad), (*want, xs.grad, rs.grad)):
+        assert torch.equal(a.full_tensor(), b)
+
+
 def _rank(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -272,7 +293,7 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     report = {}
-    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded, _variants)):
+    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded, _variants, _add_rows_sharded)):
         try:
             fn(rank, world, mesh)
             report[name] = "ok"

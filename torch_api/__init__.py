@@ -2,8 +2,10 @@
 
 import torch
 
+from torch_api.add_rms_norm import add_rms_norm
+from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
-from torch_api.hf import patch_hf_classes, replace_rms_norm, unpatch_hf_classes
+from torch_api.hf import fuse_residual_norms, patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -13,8 +15,11 @@ if torch.distributed.is_available():
 __all__ = [
     "EPHandle",
     "RMSNorm",
+    "add_rms_norm",
     "ep_combine",
+    "enable_compile_fusion",
     "ep_dispatch",
+    "fuse_residual_norms",
     "generate_permute_indices",
     "inverse_permutation",
     "patch_hf_classes",

@@ -371,8 +371,13 @@ class RMSNorm(torch.nn.Module):
     def eps(self) -> float:
         return self.variance_epsilon
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`rms_norm(x)`; with a residual, `add_rms_norm(x, residual)`: (y, residual_out)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
+        from torch_api.add_rms_norm import add_rms_norm  # (that module imports this one)
+
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, variant=self.variant)
 
     def extra_repr(self) -> str:
         shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else "no weight, "

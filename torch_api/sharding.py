@@ -9,6 +9,8 @@ input whose placement is not among them, e.g. all-gathers it):
   torchtitan's `SequenceParallel` uses it) with w replicated; y sharded like x.
 - rms_norm_bwd(dy, x, w): likewise; dw is `Partial()` (each rank's dw of its rows, in w's dtype), summed
   when DTensor reduces it (all-reduce: dw rounds once more than on one device, per rank, before the sum).
+- add_rms_norm_fwd(x, residual, w) and add_rms_norm_bwd(dy, dres, residual_out, w): as rms_norm's, x and
+  residual (dy, dres and residual_out) placed alike; a width-sharded x is gathered (no fused width path).
 - permute_rows(x, idx): the hidden dim sharded (local), or the indices sharded with x replicated (each rank
   gathers its slots; a row-sharded x is all-gathered first: the indices are global).
 - unpermute_rows(y, idx): the hidden dim sharded; otherwise replicated (y's rows all-gathered).
@@ -39,7 +41,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
-import torch_api.permute  # noqa: F401  (registers the xkern::* ops)
+import torch_api.add_rms_norm  # noqa: F401  (registers the xkern::* ops)
+import torch_api.permute  # noqa: F401
 import torch_api.rms_norm  # noqa: F401
 from torch_api._launch import launch, rows_view
 from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded, width_sharded_ok
@@ -61,6 +64,24 @@ def _rms_norm_bwd(dy, x, weight, eps, variant="llama"):
     w, dw = (None, R) if weight is None else (R, Partial())  # no weight: dw is an empty placeholder
     rules = [([R, R], [R, R, w, None, None])]
     rules += [([Shard(d), dw], [Shard(d), Shard(d), w, None, None]) for d in range(x.ndim - 1)]
+    return rules
+
+
+@register_sharding(_ops.add_rms_norm_fwd.default)
+def _add_rms_norm_fwd(x, residual, weight, eps, variant, residual_dtype):
+    # as rms_norm_fwd, x and residual placed alike (a width-sharded x is gathered: no fused width path yet)
+    w = None if weight is None else R
+    rules = [([R, R], [R, R, w, None, None, None])]
+    rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), w, None, None, None]) for d in range(x.ndim - 1)]
+    return rules
+
+
+@register_sharding(_ops.add_rms_norm_bwd.default)
+def _add_rms_norm_bwd(dy, dres, residual_out, weight, eps, variant, x_dtype):
+    w, dw = (None, R) if weight is None else (R, Partial())
+    rules = [([R, R], [R, None if dres is None else R, R, w, None, None, None])]
+    rules += [([Shard(d), dw], [Shard(d), None if dres is None else Shard(d), Shard(d), w, None, None, None])
+              for d in range(residual_out.ndim - 1)]
     return rules
 
 

@@ -53,9 +53,10 @@ def _rstd(x64: np.ndarray, eps: float) -> np.ndarray:
         return 1.0 / np.sqrt(mean_sq + eps)
 
 
-def rms_norm_fwd(x, w, eps: float, variant: str = "llama") -> np.ndarray:
+def rms_norm_fwd(x, w, eps: float, variant: str = "llama", x_dtype=None) -> np.ndarray:
     """float64 y with the variant's roundings before the last applied; the caller compares in the output
-    dtype. With normed = x * rstd (fp32 in eager, exact here):
+    dtype. `x_dtype` (default x's): the dtype `normed` is rounded to (add_rms_norm: x's, not the sum's).
+    With normed = x * rstd (fp32 in eager, exact here):
     llama `w * normed.to(x.dtype)`; gemma `normed * (1 + w)` (1 + w rounded to fp32, as `1.0 + w.float()`);
     olmo2 `w * normed`; w None (any variant): `normed`."""
     x64 = np.asarray(x, np.float64)
@@ -65,7 +66,7 @@ def rms_norm_fwd(x, w, eps: float, variant: str = "llama") -> np.ndarray:
         return n
     w64 = np.asarray(w, np.float64)
     if variant == "llama":
-        return w64 * _round(n, x.dtype)
+        return w64 * _round(n, x.dtype if x_dtype is None else x_dtype)
     if variant == "gemma":
         return n * _round(1.0 + w64, np.float32)
     if variant == "olmo2":
@@ -81,8 +82,10 @@ def rms_norm_fwd_tol(x, w, eps: float, variant: str = "llama") -> np.ndarray:
     return np.abs(rms_norm_fwd(x, w, eps)) * 2.0 ** -ml_dtypes.finfo(np_dtype(x.dtype)).nmant
 
 
-def rms_norm_bwd(x, w, dy, eps: float, variant: str = "llama") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 (dx, dw, dw_tol) with eager autograd's rounding points (dw and dw_tol None without a weight):
+def rms_norm_bwd(x, w, dy, eps: float, variant: str = "llama",
+                 x_dtype=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 (dx, dw, dw_tol) with eager autograd's rounding points (dw and dw_tol None without a weight;
+    `x_dtype` as in rms_norm_fwd, the dtype `normed` was rounded to):
     g = dL/d(normed): llama `dy * w` in the output dtype, then to x.dtype; gemma `dy * (1 + w)`; olmo2
     `dy * w`; no weight `dy`. dx = rstd * (g - n * mean(g * n)).
     dw = sum over rows of terms: llama `dy * normed.to(x.dtype)` rounded to the output dtype; olmo2
@@ -93,13 +96,14 @@ def rms_norm_bwd(x, w, dy, eps: float, variant: str = "llama") -> tuple[np.ndarr
     where the row sum cancels, that is many ULPs of the result. An element of dw within
     sum_rows |term| * 2**-(p+1) of the truth is accepted (p: mantissa bits of the term's rounding dtype)."""
     x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    x_dtype = np_dtype(x.dtype if x_dtype is None else x_dtype)
     rstd = _rstd(x64, eps)
     n = x64 * rstd
     w64 = None if w is None else np.asarray(w, np.float64)
     if w is None:
         g = dy64
     elif variant == "llama":
-        g = _round(_round(dy64 * w64, promote(x.dtype, w.dtype)), x.dtype)
+        g = _round(_round(dy64 * w64, promote(x_dtype, w.dtype)), x_dtype)
     elif variant == "gemma":
         g = dy64 * _round(1.0 + w64, np.float32)
     else:
@@ -108,15 +112,33 @@ def rms_norm_bwd(x, w, dy, eps: float, variant: str = "llama") -> tuple[np.ndarr
     if w is None:
         return dx, None, None
     if variant == "llama":
-        term_dtype = promote(x.dtype, w.dtype)
-        terms = _round(dy64 * _round(n, x.dtype), term_dtype)
-        p = ml_dtypes.finfo(np_dtype(x.dtype)).nmant
+        term_dtype = promote(x_dtype, w.dtype)
+        terms = _round(dy64 * _round(n, x_dtype), term_dtype)
+        p = ml_dtypes.finfo(x_dtype).nmant
     else:
         term_dtype = np_dtype(w.dtype) if variant == "olmo2" else np.dtype(np.float32)
         terms = _round(dy64 * n, term_dtype)
         p = ml_dtypes.finfo(term_dtype).nmant
     terms = terms.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     return dx, terms.sum(axis=0), np.abs(terms).sum(axis=0) * 2.0 ** -(p + 1)
+
+
+def add_rms_norm_fwd(x, r, w, eps: float, variant: str = "llama", residual_dtype=None):
+    """Fused residual add + RMSNorm: (float64 y as rms_norm_fwd of the sum with `normed` rounded to x's dtype,
+    residual_out exact: (x + r) rounded once to residual_dtype, default promote(x, r), as an array of it)."""
+    res_dtype = promote(x.dtype, r.dtype) if residual_dtype is None else np_dtype(residual_dtype)
+    s = (np.asarray(x, np.float64) + np.asarray(r, np.float64)).astype(res_dtype)
+    return rms_norm_fwd(s, w, eps, variant, x_dtype=x.dtype), s
+
+
+def add_rms_norm_bwd(s, w, dy, dres, eps: float, variant: str = "llama", x_dtype=None):
+    """Backward of add_rms_norm from its saved residual_out `s`: (float64 d(sum), dw, dw_tol). d(sum) is the
+    norm's dx rounded to s's dtype, plus `dres` (residual_out's gradient; None: none); the caller rounds it
+    to s's dtype (then to x's and the residual's dtypes, as eager's add backward converts)."""
+    dx, dw, dw_tol = rms_norm_bwd(s, w, dy, eps, variant, x_dtype=x_dtype)
+    if dres is not None:
+        dx = _round(dx, s.dtype) + np.asarray(dres, np.float64)
+    return dx, dw, dw_tol
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from xkern.launch import (
     cdiv,
     check_row_count,
     next_pow2,
+    promote,
     row_align,
 )
 
@@ -122,13 +123,34 @@ def _dw_terms(dy, n, X_TY: tl.constexpr, W_TY: tl.constexpr, DY_TY: tl.constexpr
     return t
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
-def _rms_norm_fwd_kernel(
-    X, W,
-    n_rows, n_cols, x_row_stride, y_row_stride,
-    Y,
+# Fused residual add (`add_rms_norm`): every forward kernel below is one body (`_rms_norm_fwd_*`, inlined)
+# behind two entry points, the plain one and `_add_rms_norm_fwd_*` (HAS_RESIDUAL: reads x and the residual,
+# writes s = (x.f32 + r.f32) rounded once to RES_OUT's dtype, normalises s). Likewise the backward's with
+# HAS_DRES (adds the gradient of residual_out to the norm's dx, rounded to DX's dtype first, as eager's
+# autograd sums the two) and X_TY (the dtype the forward rounded `normed` to: x's, which is not the dtype of
+# the saved residual_out with an FP32 residual stream). Separate entry points rather than pointer arguments
+# that are None when off: jax-triton binds arrays by position, and the plain kernels keep their parameter
+# lists, hence their binaries (compile_check --sass hashes unchanged).
+
+
+# dtype codes of the fused backward's X_DTYPE (the dtype `normed` was rounded to): an int, not a tl.dtype, so
+# that the launch's constexprs stay plain numbers for every launcher (Inductor writes them into its code)
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+
+
+@triton.jit
+def _residual_sum(x, r, RES_TY: tl.constexpr):
+    # s = x + r as eager adds (fp32, one rounding to the residual stream's dtype)
+    return (x + r.to(tl.float32)).to(RES_TY)
+
+
+@triton.jit
+def _rms_norm_fwd_tile(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     # alignment from the plan, visible to the compiler; a width of 1 folded in, as jax-triton folds it
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
@@ -140,10 +162,99 @@ def _rms_norm_fwd_kernel(
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)[:, None]
     x = tl.load(X + rows * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r_row_stride = r_row_stride // ROW_ALIGN * ROW_ALIGN
+        s = _residual_sum(x, tl.load(R + rows * r_row_stride + cols[None, :], mask=mask, other=0.0),
+                          RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + rows * y_row_stride + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) * _inv(n_cols) + EPS)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = _scaled(x * rstd[:, None], w[None, :], X.dtype.element_ty, VARIANT)
     tl.store(Y + rows * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
+def _rms_norm_fwd_kernel(
+    X, W,
+    n_rows, n_cols, x_row_stride, y_row_stride,
+    Y,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_fwd_tile(X, X, W, n_rows, n_cols, x_row_stride, x_row_stride, y_row_stride, Y, Y,
+                       EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, VARIANT, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "r_row_stride", "y_row_stride"])
+def _add_rms_norm_fwd_kernel(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_fwd_tile(X, R, W, n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride, Y, RES_OUT,
+                       EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, VARIANT, True)
+
+
+@triton.jit
+def _rms_norm_fwd_row(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    RELOAD: tl.constexpr, VARIANT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
+    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
+    y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
+    # One row per program, in SPLIT blocks of BLOCK_N held as a tuple (unrolled): a width such as 5120 =
+    # 5 x 1024 then fills every lane, where one power-of-two block of 8192 would leave 37.5 % of them masked
+    # and their registers unused. RELOAD: read x a second time for the scaling, from L2 (the first read asks
+    # L2 to keep it, the second to drop it; the different policies also keep the compiler from merging the
+    # two loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
+    # at 32768 wide, 32 registers and two programs per SM instead of 52 and one. With a residual, RELOAD
+    # reads x and r again and adds them again: reading back residual_out, which other threads of this
+    # program wrote, would race.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * x_row_stride
+    y_row = Y + row * y_row_stride
+    if HAS_RESIDUAL:
+        r_row = R + row * (r_row_stride // ROW_ALIGN * ROW_ALIGN)
+        res_row = RES_OUT + row * y_row_stride
+    xs = ()
+    sum_sq = tl.zeros([BLOCK_N], tl.float32)
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RELOAD:
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            if RELOAD:
+                r = tl.load(r_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+            else:
+                r = tl.load(r_row + cols, mask=cols < n_cols, other=0.0)
+            s = _residual_sum(x, r, RES_OUT.dtype.element_ty)
+            tl.store(res_row + cols, s, mask=cols < n_cols)
+            x = s.to(tl.float32)
+        sum_sq += x * x
+        xs = xs + (x,)
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS)
+    for i in tl.static_range(SPLIT):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        if RELOAD:
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+                x = _residual_sum(x, r, RES_OUT.dtype.element_ty).to(tl.float32)
+        else:
+            x = xs[i]
+        w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
@@ -154,39 +265,82 @@ def _rms_norm_fwd_row_kernel(
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     RELOAD: tl.constexpr, VARIANT: tl.constexpr,
 ):
+    _rms_norm_fwd_row(X, X, W, n_rows, n_cols, x_row_stride, x_row_stride, y_row_stride, Y, Y,
+                      EPS, ROW_ALIGN, ONE_COL, BLOCK_N, SPLIT, RELOAD, VARIANT, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "r_row_stride", "y_row_stride"])
+def _add_rms_norm_fwd_row_kernel(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    RELOAD: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_fwd_row(X, R, W, n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride, Y, RES_OUT,
+                      EPS, ROW_ALIGN, ONE_COL, BLOCK_N, SPLIT, RELOAD, VARIANT, True)
+
+
+@triton.jit
+def _rms_norm_fwd_chunked(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    # One row per program, in SPLIT blocks of BLOCK_N held as a tuple (unrolled): a width such as 5120 =
-    # 5 x 1024 then fills every lane, where one power-of-two block of 8192 would leave 37.5 % of them masked
-    # and their registers unused. RELOAD: read x a second time for the scaling, from L2 (the first read asks
-    # L2 to keep it, the second to drop it; the different policies also keep the compiler from merging the
-    # two loads) instead of holding the fp32 row across the reduction. Fewer registers, more rows in flight:
-    # at 32768 wide, 32 registers and two programs per SM instead of 52 and one.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * x_row_stride
-    y_row = Y + row * y_row_stride
-    xs = ()
-    sum_sq = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.static_range(SPLIT):
-        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
-        if RELOAD:
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        else:
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        sum_sq += x * x
-        xs = xs + (x,)
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS)
-    for i in tl.static_range(SPLIT):
-        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_row_stride = r_row_stride // ROW_ALIGN * ROW_ALIGN
+    # Rows too wide for registers: pass 1 sums x**2 in chunks, pass 2 re-reads the row from L2. Persistent
+    # (grid-stride over rows) so that the rows in flight, hence pass 2's reads, fit in L2. Both passes issue
+    # the next chunk's loads before this chunk's math (register double buffering: 0.64 -> 0.71 of the copy
+    # ceiling at 1024x65536 on the H200, a width the row kernel now takes at 0.85). With a residual, pass 1
+    # writes residual_out and pass 2 adds x and r again (residual_out, written by other threads, would race).
+    inv_n = _inv(n_cols)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        x_row = X + row * x_row_stride
+        y_row = Y + row * y_row_stride
+        r_row = R + row * r_row_stride
+        sum_sq = tl.zeros([BLOCK_N], tl.float32)
+        cols = tl.arange(0, BLOCK_N)
+        x_next = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
+        if HAS_RESIDUAL:
+            r_next = tl.load(r_row + cols, mask=cols < n_cols, other=0.0)
+        for chunk in range(1, n_chunks + 1):
+            x = x_next.to(tl.float32)
+            if HAS_RESIDUAL:
+                s = _residual_sum(x, r_next, RES_OUT.dtype.element_ty)
+                tl.store(RES_OUT + row * y_row_stride + cols, s, mask=cols < n_cols)
+                x = s.to(tl.float32)
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+            x_next = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
+            if HAS_RESIDUAL:
+                r_next = tl.load(r_row + cols, mask=cols < n_cols, other=0.0)
+            sum_sq += x * x
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+        cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        if RELOAD:
-            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            x = xs[i]
-        w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+        x_next = tl.load(x_row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r_next = tl.load(r_row + cols, mask=mask, other=0.0)
+        w_next = tl.load(W + cols, mask=mask, other=0.0)
+        for chunk in range(1, n_chunks + 1):
+            x = x_next.to(tl.float32)
+            if HAS_RESIDUAL:
+                x = _residual_sum(x, r_next, RES_OUT.dtype.element_ty).to(tl.float32)
+            w = w_next.to(tl.float32)
+            cur_cols, cur_mask = cols, mask
+            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            x_next = tl.load(x_row + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r_next = tl.load(r_row + cols, mask=mask, other=0.0)
+            w_next = tl.load(W + cols, mask=mask, other=0.0)
+            y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
+            tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "y_row_stride"])
@@ -196,41 +350,19 @@ def _rms_norm_fwd_chunked_kernel(
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
 ):
-    n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
-    x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
-    y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    # Rows too wide for registers: pass 1 sums x**2 in chunks, pass 2 re-reads the row from L2. Persistent
-    # (grid-stride over rows) so that the rows in flight, hence pass 2's reads, fit in L2. Both passes issue
-    # the next chunk's loads before this chunk's math (register double buffering: 0.64 -> 0.71 of the copy
-    # ceiling at 1024x65536 on the H200, a width the row kernel now takes at 0.85).
-    inv_n = _inv(n_cols)
-    n_chunks = tl.cdiv(n_cols, BLOCK_N)
-    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
-        x_row = X + row * x_row_stride
-        y_row = Y + row * y_row_stride
-        sum_sq = tl.zeros([BLOCK_N], tl.float32)
-        cols = tl.arange(0, BLOCK_N)
-        x_next = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
-        for chunk in range(1, n_chunks + 1):
-            x = x_next.to(tl.float32)
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-            x_next = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
-            sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        x_next = tl.load(x_row + cols, mask=mask, other=0.0)
-        w_next = tl.load(W + cols, mask=mask, other=0.0)
-        for chunk in range(1, n_chunks + 1):
-            x = x_next.to(tl.float32)
-            w = w_next.to(tl.float32)
-            cur_cols, cur_mask = cols, mask
-            cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = cols < n_cols
-            x_next = tl.load(x_row + cols, mask=mask, other=0.0)
-            w_next = tl.load(W + cols, mask=mask, other=0.0)
-            y = _scaled(x * rstd, w, X.dtype.element_ty, VARIANT)
-            tl.store(y_row + cur_cols, y.to(Y.dtype.element_ty), mask=cur_mask)
+    _rms_norm_fwd_chunked(X, X, W, n_rows, n_cols, x_row_stride, x_row_stride, y_row_stride, Y, Y,
+                          EPS, ROW_ALIGN, ONE_COL, BLOCK_N, VARIANT, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "r_row_stride", "y_row_stride"])
+def _add_rms_norm_fwd_chunked_kernel(
+    X, R, W,
+    n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride,
+    Y, RES_OUT,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_fwd_chunked(X, R, W, n_rows, n_cols, x_row_stride, r_row_stride, y_row_stride, Y, RES_OUT,
+                          EPS, ROW_ALIGN, ONE_COL, BLOCK_N, VARIANT, True)
 
 
 @triton.jit
@@ -248,13 +380,21 @@ def _bwd_tile_start(n_cols, x_row_stride, dy_row_stride, dx_row_stride, ROW_ALIG
         tl.program_id(1).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_kernel(
-    X, W, DY,
-    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+@triton.jit
+def _with_dres(dx, dres, DX_TY: tl.constexpr):
+    # d(residual_out) in total: the norm's dx rounded to residual_out's dtype (the norm's input's), plus the
+    # gradient residual_out got directly; the sum rounded once by the caller's store
+    return dx.to(DX_TY).to(tl.float32) + dres.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_bwd_tile(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+    X_TY: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
     # Persistent: program p takes tiles p, p + P, ... and keeps its dw partial in registers. With PREFETCH
     # the next tile's loads are issued before this tile's math (register double buffering) to hide DRAM
@@ -264,6 +404,9 @@ def _rms_norm_bwd_kernel(
     X += batch * n_rows * x_row_stride
     DY += batch * n_rows * dy_row_stride
     DX += batch * n_rows * dx_row_stride
+    if HAS_DRES:
+        dres_row_stride = dres_row_stride // ROW_ALIGN * ROW_ALIGN
+        DRES += batch * n_rows * dres_row_stride
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -274,6 +417,9 @@ def _rms_norm_bwd_kernel(
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
         dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        if HAS_DRES:
+            dres_next = tl.load(DRES + rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=mask,
+                                other=0.0)
     for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
         if PREFETCH:
             x = x_next.to(tl.float32)
@@ -283,6 +429,10 @@ def _rms_norm_bwd_kernel(
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             x_next = tl.load(X + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
             dy_next = tl.load(DY + rows.to(tl.int64)[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            if HAS_DRES:
+                dres = dres_next
+                dres_next = tl.load(DRES + rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=mask,
+                                    other=0.0)
         else:
             cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             cur_mask = (cur_rows < n_rows)[:, None] & col_mask[None, :]
@@ -294,14 +444,48 @@ def _rms_norm_bwd_kernel(
         # per row, not per element) so that it adds 0 to dw.
         rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
         n = x * rstd
-        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
-        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
+        g = _grad_normed(dy, w[None, :], X_TY, VARIANT)
+        dw_acc += tl.sum(_dw_terms(dy, n, X_TY, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx = rstd * (g - n * mean_gn)
+        if HAS_DRES:
+            if not PREFETCH:
+                dres = tl.load(DRES + cur_rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :],
+                               mask=cur_mask, other=0.0)
+            dx = _with_dres(dx, dres, DX.dtype.element_ty)
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
     if VARIANT != 3:  # NO_WEIGHT: no dw
         tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_bwd_tile(X, W, DY, DY, n_rows, n_cols, x_row_stride, dy_row_stride, dy_row_stride, dx_row_stride,
+                       DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, PREFETCH, VARIANT,
+                       X.dtype.element_ty, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dres_row_stride",
+                               "dx_row_stride"])
+def _add_rms_norm_bwd_kernel(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+    X_DTYPE: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    x_ty: tl.constexpr = tl.float16 if X_DTYPE == 0 else (tl.bfloat16 if X_DTYPE == 1 else tl.float32)
+    _rms_norm_bwd_tile(X, W, DY, DRES, n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride,
+                       dx_row_stride, DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, PREFETCH, VARIANT,
+                       x_ty, HAS_DRES)
 
 
 @triton.jit
@@ -315,13 +499,14 @@ def _load_tile(ptr, rows, row_stride, n_rows, n_cols, BLOCK_N: tl.constexpr, SPL
     return out
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_split_kernel(
-    X, W, DY,
-    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+@triton.jit
+def _rms_norm_bwd_split(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+    X_TY: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
     # _rms_norm_bwd_kernel with each row in SPLIT blocks of BLOCK_N columns (tuples, unrolled), as in the
     # forward's row kernel: no lanes idle at widths such as 3 x 1024. A kernel of its own: with one block this
@@ -332,6 +517,9 @@ def _rms_norm_bwd_split_kernel(
     X += batch * n_rows * x_row_stride
     DY += batch * n_rows * dy_row_stride
     DX += batch * n_rows * dx_row_stride
+    if HAS_DRES:
+        dres_row_stride = dres_row_stride // ROW_ALIGN * ROW_ALIGN
+        DRES += batch * n_rows * dres_row_stride
     ws = ()
     dw_acc = ()
     for i in tl.static_range(SPLIT):
@@ -365,9 +553,9 @@ def _rms_norm_bwd_split_kernel(
         for i in tl.static_range(SPLIT):
             dy = dys[i].to(tl.float32)
             n = xs[i].to(tl.float32) * rstd
-            g = _grad_normed(dy, ws[i], X.dtype.element_ty, VARIANT)
+            g = _grad_normed(dy, ws[i], X_TY, VARIANT)
             sum_gn += tl.sum(g * n, axis=1)
-            terms = _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT)
+            terms = _dw_terms(dy, n, X_TY, W.dtype.element_ty, DY.dtype.element_ty, VARIANT)
             new_dw = new_dw + (dw_acc[i] + tl.sum(terms, axis=0),)
         dw_acc = new_dw
         mean_gn = (sum_gn * inv_n)[:, None]
@@ -375,8 +563,12 @@ def _rms_norm_bwd_split_kernel(
             cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = (cur_rows < n_rows)[:, None] & (cols < n_cols)[None, :]
             n = xs[i].to(tl.float32) * rstd
-            g = _grad_normed(dys[i].to(tl.float32), ws[i], X.dtype.element_ty, VARIANT)
+            g = _grad_normed(dys[i].to(tl.float32), ws[i], X_TY, VARIANT)
             dx = rstd * (g - n * mean_gn)
+            if HAS_DRES:
+                dres = tl.load(DRES + cur_rows.to(tl.int64)[:, None] * dres_row_stride + cols[None, :], mask=mask,
+                               other=0.0)
+                dx = _with_dres(dx, dres, DX.dtype.element_ty)
             out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
             tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
     if VARIANT != 3:  # NO_WEIGHT: no dw
@@ -385,9 +577,38 @@ def _rms_norm_bwd_split_kernel(
             tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)
 
 
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_split_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_bwd_split(X, W, DY, DY, n_rows, n_cols, x_row_stride, dy_row_stride, dy_row_stride, dx_row_stride,
+                        DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, SPLIT, PREFETCH, VARIANT,
+                        X.dtype.element_ty, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dres_row_stride",
+                               "dx_row_stride"])
+def _add_rms_norm_bwd_split_kernel(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, VARIANT: tl.constexpr,
+    X_DTYPE: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    x_ty: tl.constexpr = tl.float16 if X_DTYPE == 0 else (tl.bfloat16 if X_DTYPE == 1 else tl.float32)
+    _rms_norm_bwd_split(X, W, DY, DRES, n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride,
+                        dx_row_stride, DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, SPLIT, PREFETCH,
+                        VARIANT, x_ty, HAS_DRES)
+
+
 @triton.jit
 def _row_block(X, DY, W, w_held, row, x_row_stride, dy_row_stride, cols, n_cols, HOLD_W: tl.constexpr,
-               EVICT: tl.constexpr, VARIANT: tl.constexpr):
+               EVICT: tl.constexpr, VARIANT: tl.constexpr, X_TY: tl.constexpr):
     # Columns `cols` of a row of x and dy in fp32, and g = dL/d(normed); w held by the caller or re-read
     # (asked to stay in L2)
     mask = cols < n_cols
@@ -395,16 +616,16 @@ def _row_block(X, DY, W, w_held, row, x_row_stride, dy_row_stride, cols, n_cols,
     x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     w = w_held if HOLD_W else tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    return x, dy, _grad_normed(dy, w, X.dtype.element_ty, VARIANT)
+    return x, dy, _grad_normed(dy, w, X_TY, VARIANT)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_row_kernel(
-    X, W, DY,
-    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+@triton.jit
+def _rms_norm_bwd_row(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    HOLD_W: tl.constexpr, VARIANT: tl.constexpr,
+    HOLD_W: tl.constexpr, VARIANT: tl.constexpr, X_TY: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -415,7 +636,7 @@ def _rms_norm_bwd_row_kernel(
     # rounded needing no rstd; evict_last keeps the row in L2), dx and dw from the second (evict_first). Only
     # w and the dw partial stay in registers across rows (w not even that without HOLD_W: re-read from
     # L1/L2), so more programs fit per SM than with the tile kernels' held rows. A 1-D block: fewer
-    # registers than a 1-row tile.
+    # registers than a 1-row tile. The residual_out gradient (HAS_DRES) is read once, in the second pass.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     # The batch enters the row index: offsetting the base pointers instead compiles to a schedule with
@@ -434,7 +655,7 @@ def _rms_norm_bwd_row_kernel(
         row = tl.cast(row, tl.int64) + batch * n_rows
         for i in tl.static_range(SPLIT):
             x, dy, g = _row_block(X, DY, W, ws[i] if HOLD_W else None, row, x_row_stride, dy_row_stride,
-                                  offs + i * BLOCK_N, n_cols, HOLD_W, "evict_last", VARIANT)
+                                  offs + i * BLOCK_N, n_cols, HOLD_W, "evict_last", VARIANT, X_TY)
             if i == 0:
                 sum_sq = x * x
             else:
@@ -450,11 +671,15 @@ def _rms_norm_bwd_row_kernel(
         for i in tl.static_range(SPLIT):
             cols = offs + i * BLOCK_N
             x, dy, g = _row_block(X, DY, W, ws[i] if HOLD_W else None, row, x_row_stride, dy_row_stride, cols,
-                                  n_cols, HOLD_W, "evict_first", VARIANT)
+                                  n_cols, HOLD_W, "evict_first", VARIANT, X_TY)
             n = x * rstd
-            new_dw = new_dw + (dw_acc[i] + _dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty,
+            new_dw = new_dw + (dw_acc[i] + _dw_terms(dy, n, X_TY, W.dtype.element_ty,
                                                      DY.dtype.element_ty, VARIANT),)
             dx = rstd * (g - n * mean_gn)
+            if HAS_DRES:
+                dres = tl.load(DRES + row * (dres_row_stride // ROW_ALIGN * ROW_ALIGN) + cols, mask=cols < n_cols,
+                               other=0.0, eviction_policy="evict_first")
+                dx = _with_dres(dx, dres, DX.dtype.element_ty)
             tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=cols < n_cols)
         dw_acc = new_dw
     if VARIANT != 3:  # NO_WEIGHT: no dw
@@ -463,12 +688,40 @@ def _rms_norm_bwd_row_kernel(
             tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
-def _rms_norm_bwd_stats_kernel(
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_row_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HOLD_W: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_bwd_row(X, W, DY, DY, n_rows, n_cols, x_row_stride, dy_row_stride, dy_row_stride, dx_row_stride,
+                      DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_N, SPLIT, HOLD_W, VARIANT,
+                      X.dtype.element_ty, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dres_row_stride",
+                               "dx_row_stride"])
+def _add_rms_norm_bwd_row_kernel(
+    X, W, DY, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    HOLD_W: tl.constexpr, VARIANT: tl.constexpr, X_DTYPE: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    x_ty: tl.constexpr = tl.float16 if X_DTYPE == 0 else (tl.bfloat16 if X_DTYPE == 1 else tl.float32)
+    _rms_norm_bwd_row(X, W, DY, DRES, n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
+                      DX, DW_PARTIAL, EPS, ROW_ALIGN, ONE_COL, BLOCK_N, SPLIT, HOLD_W, VARIANT, x_ty, HAS_DRES)
+
+
+@triton.jit
+def _rms_norm_bwd_stats(
     X, W, DY,
     n_rows, n_cols, x_row_stride, dy_row_stride,
     STATS,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    X_TY: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -487,7 +740,7 @@ def _rms_norm_bwd_stats_kernel(
         dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         sum_sq += x * x
-        sum_gx += _grad_normed(dy, w, X.dtype.element_ty, VARIANT) * x
+        sum_gx += _grad_normed(dy, w, X_TY, VARIANT) * x
     inv_n = _inv(n_cols)
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
     stats = STATS + (batch * n_rows + row) * 2
@@ -495,13 +748,39 @@ def _rms_norm_bwd_stats_kernel(
     tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd * inv_n)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
-def _rms_norm_bwd_cols_kernel(
-    X, W, DY, STATS,
-    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
+def _rms_norm_bwd_stats_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride,
+    STATS,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+):
+    _rms_norm_bwd_stats(X, W, DY, n_rows, n_cols, x_row_stride, dy_row_stride, STATS, EPS, ROW_ALIGN, ONE_COL,
+                        BLOCK_N, VARIANT, X.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride"])
+def _add_rms_norm_bwd_stats_kernel(
+    X, W, DY,
+    n_rows, n_cols, x_row_stride, dy_row_stride,
+    STATS,
+    EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    X_DTYPE: tl.constexpr,
+):
+    x_ty: tl.constexpr = tl.float16 if X_DTYPE == 0 else (tl.bfloat16 if X_DTYPE == 1 else tl.float32)
+    # the residual_out gradient enters dx only (the cols kernel): the statistics are the norm's, with
+    # `normed` rounded to x's dtype (X_TY) where X holds residual_out
+    _rms_norm_bwd_stats(X, W, DY, n_rows, n_cols, x_row_stride, dy_row_stride, STATS, EPS, ROW_ALIGN, ONE_COL,
+                        BLOCK_N, VARIANT, x_ty)
+
+
+@triton.jit
+def _rms_norm_bwd_cols(
+    X, W, DY, STATS, DRES,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
     DX, DW_PARTIAL,
     ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARIANT: tl.constexpr,
+    VARIANT: tl.constexpr, X_TY: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
     n_cols = 1 if ONE_COL else n_cols // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -518,6 +797,9 @@ def _rms_norm_bwd_cols_kernel(
     DY += batch * n_rows * dy_row_stride
     DX += batch * n_rows * dx_row_stride
     STATS += batch * n_rows * 2
+    if HAS_DRES:
+        dres_row_stride = dres_row_stride // ROW_ALIGN * ROW_ALIGN
+        DRES += batch * n_rows * dres_row_stride
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], tl.float32)
     for tile in range(group, tl.cdiv(n_rows, BLOCK_M), n_groups):
@@ -530,13 +812,43 @@ def _rms_norm_bwd_cols_kernel(
         x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         n = x * rstd
-        g = _grad_normed(dy, w[None, :], X.dtype.element_ty, VARIANT)
+        g = _grad_normed(dy, w[None, :], X_TY, VARIANT)
         dx = rstd * (g - n * mean_gn)
+        if HAS_DRES:
+            dres = tl.load(DRES + rows[:, None] * dres_row_stride + cols[None, :], mask=mask, other=0.0)
+            dx = _with_dres(dx, dres, DX.dtype.element_ty)
         tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += tl.sum(_dw_terms(dy, n, X.dtype.element_ty, W.dtype.element_ty, DY.dtype.element_ty, VARIANT),
+        dw_acc += tl.sum(_dw_terms(dy, n, X_TY, W.dtype.element_ty, DY.dtype.element_ty, VARIANT),
                          axis=0)
     if VARIANT != 3:  # NO_WEIGHT: no dw
         tl.store(DW_PARTIAL + ((batch * n_groups + group) * n_cols + cols), dw_acc, mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dx_row_stride"])
+def _rms_norm_bwd_cols_kernel(
+    X, W, DY, STATS,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARIANT: tl.constexpr,
+):
+    _rms_norm_bwd_cols(X, W, DY, STATS, DY, n_rows, n_cols, x_row_stride, dy_row_stride, dy_row_stride,
+                       dx_row_stride, DX, DW_PARTIAL, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, VARIANT,
+                       X.dtype.element_ty, False)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride", "dy_row_stride", "dres_row_stride",
+                               "dx_row_stride"])
+def _add_rms_norm_bwd_cols_kernel(
+    X, W, DY, DRES, STATS,
+    n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride, dx_row_stride,
+    DX, DW_PARTIAL,
+    ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARIANT: tl.constexpr, X_DTYPE: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    x_ty: tl.constexpr = tl.float16 if X_DTYPE == 0 else (tl.bfloat16 if X_DTYPE == 1 else tl.float32)
+    _rms_norm_bwd_cols(X, W, DY, STATS, DRES, n_rows, n_cols, x_row_stride, dy_row_stride, dres_row_stride,
+                       dx_row_stride, DX, DW_PARTIAL, ROW_ALIGN, ONE_COL, BLOCK_M, BLOCK_N, VARIANT, x_ty, HAS_DRES)
 
 
 @triton.jit(do_not_specialize=["n_partials", "n_cols"])
@@ -808,19 +1120,124 @@ def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dt
     plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch, variant)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, dy_row_stride=dy_row_stride,
                    dx_row_stride=n_cols)
-    steps, inputs = [], ("x", "x" if w_dtype is None else "w", "dy")
-    if plan.stats is not None:
-        steps.append(Step(plan.stats, inputs, (Buffer("stats", (n_batch * n_rows, 2), "float32"),), scalars))
-        inputs += ("stats",)
+    return _bwd_recipe(plan, plan.stats, plan.bwd, ("x", "x" if w_dtype is None else "w", "dy"), (), dx, scalars,
+                       n_batch, n_rows, n_cols, dw_dtype)
+
+
+def _bwd_recipe(plan: BwdPlan, stats: Launch | None, bwd: Launch, inputs: tuple[str, ...], extra: tuple[str, ...],
+                dx: Buffer, scalars: dict, n_batch: int, n_rows: int, n_cols: int, dw_dtype: str) -> Recipe:
+    """The backward's steps: [stats on `inputs`,] `bwd` on `inputs + extra` [+ stats], the dw reduction."""
+    steps = []
+    if stats is not None:
+        steps.append(Step(stats, inputs, (Buffer("stats", (n_batch * n_rows, 2), "float32"),), scalars))
+    inputs = inputs + extra + (("stats",) if stats is not None else ())
     if plan.reduce is None:  # no weight: the kernel writes no dw partials
-        steps.append(Step(plan.bwd, inputs, (dx, Buffer("partial", (1,), "float32")), scalars))
+        steps.append(Step(bwd, inputs, (dx, Buffer("partial", (1,), "float32")), scalars))
         steps.append(Step(None, (), (Buffer("dw", (n_batch, 0), dw_dtype),)))
         return Recipe(tuple(steps), ("dx", "dw"))
     partial = Buffer("partial", (n_batch * plan.n_partials, n_cols), "float32")
-    steps.append(Step(plan.bwd, inputs, (dx, partial), scalars))
+    steps.append(Step(bwd, inputs, (dx, partial), scalars))
     steps.append(Step(plan.reduce, ("partial",), (Buffer("dw", (n_batch, n_cols), dw_dtype),),
                       dict(n_partials=plan.n_partials, n_cols=n_cols)))
     return Recipe(tuple(steps), ("dx", "dw"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused residual add + RMSNorm (`add_rms_norm`): the same plans, launched through the fused entry points.
+#   residual_out = (x.f32 + residual.f32) rounded once to residual_dtype (default promote(x, residual));
+#   y = rms_norm(residual_out, w, eps, variant) with `normed` rounded to x's dtype (not residual_out's) and
+#       y in out_dtype_name(x, w): with equal dtypes bit for bit rms_norm(x + residual), the eager layer.
+# Backward (eager autograd's rounding points): the norm's dx, rounded to residual_out's dtype, plus the
+# gradient of residual_out (if any), rounded once to residual_out's dtype: d(sum). The front ends return it
+# as dx and dresidual, each converted to its input's dtype (no conversion, one buffer, when they match).
+
+_FUSED = {
+    _rms_norm_fwd_kernel: _add_rms_norm_fwd_kernel,
+    _rms_norm_fwd_row_kernel: _add_rms_norm_fwd_row_kernel,
+    _rms_norm_fwd_chunked_kernel: _add_rms_norm_fwd_chunked_kernel,
+    _rms_norm_bwd_kernel: _add_rms_norm_bwd_kernel,
+    _rms_norm_bwd_split_kernel: _add_rms_norm_bwd_split_kernel,
+    _rms_norm_bwd_row_kernel: _add_rms_norm_bwd_row_kernel,
+    _rms_norm_bwd_stats_kernel: _add_rms_norm_bwd_stats_kernel,
+    _rms_norm_bwd_cols_kernel: _add_rms_norm_bwd_cols_kernel,
+}
+
+
+def _fused(launch: Launch, **constexprs) -> Launch:
+    """`launch` (a plan's) through the fused entry point of its kernel body: same grid, warps, constexprs."""
+    return dataclasses.replace(launch, kernel=_FUSED[launch.kernel], constexprs={**launch.constexprs, **constexprs})
+
+
+def check_add_rms_norm(x_dtype: str, x_shape: tuple[int, ...], r_dtype: str, r_shape: tuple[int, ...],
+                       w_dtype: str | None, w_shape: tuple[int, ...] | None, eps, variant="llama",
+                       residual_dtype: str | None = None) -> tuple[str, str, str]:
+    """Validate an `add_rms_norm(x, residual, weight, eps, variant=, residual_dtype=)` call from dtype names and
+    shapes; returns y's dtype, residual_out's dtype and the kernel variant."""
+    y_dtype, variant = check_rms_norm(x_dtype, x_shape, w_dtype, w_shape, eps, variant)
+    if r_dtype not in FLOATS:
+        raise TypeError(f"residual must be float16, bfloat16 or float32, got {r_dtype}")
+    if tuple(r_shape) != tuple(x_shape):
+        raise ValueError(f"residual must have x's shape {list(x_shape)}, got {list(r_shape)}")
+    if residual_dtype is None:
+        residual_dtype = promote(x_dtype, r_dtype)
+    elif residual_dtype not in FLOATS:
+        raise TypeError(f"residual_dtype must be float16, bfloat16 or float32, got {residual_dtype}")
+    return y_dtype, residual_dtype, variant
+
+
+@functools.lru_cache(maxsize=4096)
+def add_rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, r_dtype: str, w_dtype: str | None,
+                            res_dtype: str, x_row_stride: int | None = None, r_row_stride: int | None = None,
+                            variant: str = "llama") -> Recipe:
+    """Inputs x and r (the residual) [n_rows, n_cols] (rows `*_row_stride` apart, default contiguous) and w
+    [n_cols] (w_dtype None: no weight, x bound in its place); results y [n_rows, n_cols] (out_dtype_name) and
+    residual_out [n_rows, n_cols] in `res_dtype`, both contiguous. The plan is rms_norm's, with the bytes of
+    the residual and residual_out in its element size."""
+    y = Buffer("y", (n_rows, n_cols), out_dtype_name(x_dtype, w_dtype, variant))
+    res = Buffer("residual_out", (n_rows, n_cols), res_dtype)
+    if n_rows * n_cols == 0:
+        return Recipe((Step(None, (), (y, res)),), ("y", "residual_out"))
+    x_row_stride = n_cols if x_row_stride is None else x_row_stride
+    r_row_stride = n_cols if r_row_stride is None else r_row_stride
+    itemsize = max(ITEMSIZE[d] for d in (x_dtype, r_dtype, w_dtype or x_dtype, y.dtype, res_dtype))
+    plan = plan_rms_norm_fwd(n_rows, n_cols, eps, (x_row_stride, r_row_stride, n_cols), itemsize, variant)
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, r_row_stride=r_row_stride,
+                   y_row_stride=n_cols)
+    return Recipe((Step(_fused(plan), ("x", "r", "x" if w_dtype is None else "w"), (y, res), scalars),),
+                  ("y", "residual_out"))
+
+
+@functools.lru_cache(maxsize=4096)
+def add_rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
+                            res_dtype: str, has_dres: bool, res_row_stride: int | None = None,
+                            dy_row_stride: int | None = None, dres_row_stride: int | None = None,
+                            n_batch: int = 1, dw_dtype: str | None = None, variant: str = "llama") -> Recipe:
+    """The backward of add_rms_norm. Inputs "x": residual_out (the norm's input, saved by the forward, in
+    `res_dtype`), "w", "dy" (y's dtype) and, with `has_dres`, "dres" (residual_out's gradient, res_dtype), all
+    as in rms_norm_bwd_recipe; `x_dtype` is the forward's x's. Results "dx": d(sum) [n_batch * n_rows,
+    n_cols] in res_dtype, and "dw". Without dres and with x in residual_out's dtype this is
+    rms_norm_bwd_recipe itself (the same launches)."""
+    if not has_dres and x_dtype == res_dtype:
+        return rms_norm_bwd_recipe(n_rows, n_cols, eps, res_dtype, w_dtype, res_row_stride, dy_row_stride, n_batch,
+                                   dw_dtype, variant)
+    dw_dtype = dw_dtype or w_dtype or res_dtype
+    dx = Buffer("dx", (n_batch * n_rows, n_cols), res_dtype)
+    if n_rows * n_cols == 0:
+        dw = Buffer("dw", (n_batch, 0 if w_dtype is None else n_cols), dw_dtype, fill=0)
+        return Recipe((Step(None, (), (dx, dw)),), ("dx", "dw"))
+    res_row_stride = n_cols if res_row_stride is None else res_row_stride
+    dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
+    dres_row_stride = n_cols if dres_row_stride is None else dres_row_stride
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (res_row_stride, dy_row_stride, dres_row_stride, n_cols),
+                             n_batch, variant)
+    scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=res_row_stride, dy_row_stride=dy_row_stride,
+                   dres_row_stride=dres_row_stride, dx_row_stride=n_cols)
+    code = DTYPE_CODES[x_dtype]
+    stats = None if plan.stats is None else _fused(plan.stats, X_DTYPE=code)
+    bwd = _fused(plan.bwd, X_DTYPE=code, HAS_DRES=has_dres)
+    # without dres, dy is bound in its place (not read)
+    return _bwd_recipe(plan, stats, bwd, ("x", "x" if w_dtype is None else "w", "dy"),
+                       ("dres" if has_dres else "dy",), dx, scalars, n_batch, n_rows, n_cols, dw_dtype)
 
 
 # Width-sharded RMSNorm (tensor parallel over the hidden dim): each shard holds a column slice of x, w
@@ -1024,3 +1441,19 @@ def compile_variants():
             for launch in (*plan_rms_norm_fwd_width_sharded(n_rows, n_cols, 1e-6), sharded.sums, sharded.finish,
                            sharded.bwd, sharded.reduce):
                 yield launch, ptrs
+    # The fused residual add (add_rms_norm): each kernel at every BLOCK_N its plan takes, plus the split
+    # widths, for equal 16-bit dtypes and for an fp32 residual stream (x bf16, residual and residual_out fp32;
+    # its backward rounds `normed` to bf16 while reading fp32), with and without residual_out's gradient.
+    fused_widths = [1 << k for k in range(4, 17)] + [80, 3072, 5120, 7168, 12288, 20000, MAX_FWD_BLOCK + 1]
+    for x_dtype, r_dtype in (("bfloat16", "bfloat16"), ("bfloat16", "float32")):
+        res_dtype = promote(x_dtype, r_dtype)
+        for n_cols in fused_widths:
+            fwd = add_rms_norm_fwd_recipe(100_000, n_cols, 1e-6, x_dtype, r_dtype, x_dtype, res_dtype)
+            ptrs = {"X": pointer[x_dtype], "R": pointer[r_dtype], "W": pointer[x_dtype], "Y": pointer[x_dtype],
+                    "RES_OUT": pointer[res_dtype]}
+            yield from ((step.launch, ptrs) for step in fwd.steps if step.launch is not None)
+            ptrs = {"X": pointer[res_dtype], "W": pointer[x_dtype], "DY": pointer[x_dtype], "DRES": pointer[res_dtype],
+                    "DX": pointer[res_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[x_dtype], "STATS": "*fp32"}
+            for has_dres in (True, False) if x_dtype != res_dtype else (True,):
+                bwd = add_rms_norm_bwd_recipe(100_000, n_cols, 1e-6, x_dtype, x_dtype, res_dtype, has_dres)
+                yield from ((step.launch, ptrs) for step in bwd.steps if step.launch is not None)

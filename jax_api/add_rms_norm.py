@@ -1,0 +1,185 @@
+"""Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_vjp` function (jit, grad, vjp, vmap).
+
+The same recipes and kernels as the torch front end (`xkern/rms_norm.py`, "Fused residual add"), hence the
+same bits. vmap: the kernel calls are `custom_vmap` functions, a vmapped forward is more rows and a vmapped
+backward one launch with a batch grid axis (one dw per example); a batched weight maps over the batch.
+JAX hands the backward a zero cotangent for an unused residual_out, so the backward always reads it.
+Under jit, sharded rows stay sharded (`jax.experimental.custom_partitioning`, as rms_norm's rows case in
+jax_api/sharding.py: each device runs the kernels on its rows, dw summed in fp32 over the row axes, then
+rounded once); a sharded hidden dim is gathered (no fused width-sharded path).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api.sharding import _dims, _factors, _local, _named, _partitioned
+from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
+
+
+def _fwd(x, residual, weight, eps, variant, res_dtype):
+    n_cols = x.shape[-1]
+    n_rows = math.prod(x.shape[:-1])
+    recipe = add_rms_norm_fwd_recipe(n_rows, n_cols, eps, x.dtype.name, residual.dtype.name,
+                                     None if weight is None else weight.dtype.name, res_dtype, variant=variant)
+    y, res = execute(recipe, x=x.reshape(n_rows, n_cols), r=residual.reshape(n_rows, n_cols), w=weight)
+    return y.reshape(x.shape), res.reshape(x.shape)
+
+
+def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims, dw_dtype=None):
+    """d(sum) in residual_out's dtype and dw (None without a weight), one per vmapped example, in `dw_dtype`
+    (default weight's)."""
+    n_cols = res.shape[-1]
+    batch_shape = res.shape[:n_batch_dims]
+    n_batch = math.prod(batch_shape)
+    n_rows = math.prod(res.shape[n_batch_dims:-1])
+    recipe = add_rms_norm_bwd_recipe(n_rows, n_cols, eps, x_dtype, None if weight is None else weight.dtype.name,
+                                     res.dtype.name, True, n_batch=n_batch, variant=variant,
+                                     dw_dtype=None if dw_dtype is None else jnp.dtype(dw_dtype).name)
+    flat = (n_batch * n_rows, n_cols)
+    dsum, dw = execute(recipe, x=res.reshape(flat), w=weight, dy=dy.reshape(flat), dres=dres.reshape(flat))
+    return dsum.reshape(res.shape), None if weight is None else dw.reshape(batch_shape + weight.shape)
+
+
+@functools.cache
+def _fwd_sharded(eps: float, variant: str, res_dtype: str, ndim: int, weighted: bool):
+    """_fwd partitioned by rows (x and residual alike; the hidden dim gathered)."""
+    rows = " ".join(_factors(ndim - 1))
+    body = (lambda x, r, w: _fwd(x, r, w, eps, variant, res_dtype)) if weighted else \
+        (lambda x, r: _fwd(x, r, None, eps, variant, res_dtype))
+
+    def partition(mesh, arg_shapes, result_shape):
+        dims = _dims(arg_shapes[0])
+        dims[-1] = ()
+        xs = _named(mesh, dims)
+        return mesh, _local(body), (xs, xs), (xs, xs) + ((_named(mesh, [()]),) if weighted else ())
+
+    w_rule = ", n" if weighted else ""
+    return _partitioned(body, partition, f"{rows} n, {rows} n{w_rule} -> {rows} n, {rows} n")
+
+
+@functools.cache
+def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims: int, weighted: bool):
+    """_bwd partitioned by rows: dw of each device's rows in fp32, psum over the row axes, w's dtype once."""
+    batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
+    lead = " ".join(batch + rows)
+
+    def body(dy, dres, res, w=None, dw_dtype=None):
+        return _bwd(dy, dres, res, w, eps, variant, x_dtype, n_batch_dims, dw_dtype)
+
+    def dsum_only(dy, dres, res):
+        return body(dy, dres, res)[0]
+
+    def partition(mesh, arg_shapes, result_shape):
+        dims = _dims(arg_shapes[2])
+        dims[-1] = ()
+        row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
+        xs = _named(mesh, dims)
+        if not weighted:
+            return mesh, _local(dsum_only), xs, (xs, xs, xs)
+
+        def fn(dy, dres, res, w):
+            dsum, dw = body(dy, dres, res, w, jnp.float32)
+            if row_axes:
+                dw = jax.lax.psum(dw, row_axes)
+            return dsum, dw.astype(w.dtype)
+
+        return mesh, _local(fn), (xs, _named(mesh, dims[:n_batch_dims] + [()])), (xs, xs, xs, _named(mesh, [()]))
+
+    if not weighted:
+        return _partitioned(dsum_only, partition, f"{lead} n, {lead} n, {lead} n -> {lead} n")
+    return _partitioned(lambda dy, dres, res, w: body(dy, dres, res, w), partition,
+                        f"{lead} n, {lead} n, {lead} n, n -> {lead} n, {' '.join(batch)} n")
+
+
+def _broadcast(axis_size, in_batched, *args):
+    return [a if b or a is None else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+
+
+@functools.cache
+def _fwd_op(eps: float, variant: str, res_dtype: str):
+    @jax.custom_batching.custom_vmap
+    def op(x, residual, weight):
+        if weight is None:
+            return _fwd_sharded(eps, variant, res_dtype, x.ndim, False)(x, residual)
+        return _fwd_sharded(eps, variant, res_dtype, x.ndim, True)(x, residual, weight)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, x, residual, weight):
+        if in_batched[2]:
+            return map_batched(op, axis_size, in_batched, x, residual, weight), (True, True)
+        x, residual = _broadcast(axis_size, in_batched[:2], x, residual)
+        return op(x, residual, weight), (True, True)  # batch axis 0: more rows
+
+    return op
+
+
+@functools.cache
+def _bwd_op(eps: float, variant: str, x_dtype: str, n_batch_dims: int):
+    @jax.custom_batching.custom_vmap
+    def op(dy, dres, res, weight):
+        if weight is None:
+            return _bwd_sharded(eps, variant, x_dtype, res.ndim, n_batch_dims, False)(dy, dres, res), None
+        return tuple(_bwd_sharded(eps, variant, x_dtype, res.ndim, n_batch_dims, True)(dy, dres, res, weight))
+
+    @op.def_vmap
+    def _(axis_size, in_batched, dy, dres, res, weight):
+        if in_batched[3]:
+            return map_batched(op, axis_size, in_batched, dy, dres, res, weight), (True, True)
+        dy, dres, res = _broadcast(axis_size, in_batched[:3], dy, dres, res)
+        return _bwd_op(eps, variant, x_dtype, n_batch_dims + 1)(dy, dres, res, weight), \
+            (True, None if weight is None else True)
+
+    return op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _add_rms_norm(x, residual, weight, eps, variant, res_dtype):
+    y, res = _fwd_op(eps, variant, res_dtype)(x, residual, weight)
+    return vary_like(y, x), vary_like(res, x)
+
+
+def _add_rms_norm_fwd(x, residual, weight, eps, variant, res_dtype):
+    y, res = _add_rms_norm(x, residual, weight, eps, variant, res_dtype)
+    # dtypes ride along as zero-size arrays (residuals are arrays)
+    return (y, res), (res, weight, jnp.zeros((0,), x.dtype), jnp.zeros((0,), residual.dtype))
+
+
+def _add_rms_norm_bwd(eps, variant, res_dtype, saved, cts):
+    res, weight, x_like, r_like = saved
+    dy, dres = cts
+    dsum, dw = _bwd_op(eps, variant, x_like.dtype.name, 0)(dy, dres.astype(res.dtype), res, weight)
+    dx = dsum.astype(x_like.dtype)
+    dr = dx if r_like.dtype == x_like.dtype else dsum.astype(r_like.dtype)
+    return vary_like(dx, res), vary_like(dr, res), None if weight is None else vary_like(dw, weight)
+
+
+_add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
+
+
+def add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *,
+                 variant: str = "llama", residual_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Fused residual add + RMSNorm: `(y, residual_out)`, residual_out = (x.f32 + residual.f32) rounded once to
+    `residual_dtype` (default: the promotion of x's and residual's dtypes), y = rms_norm(residual_out, weight,
+    eps, variant=variant) with `normed` rounded to x's dtype; the torch front end's contract and bits.
+    Differentiable in x, residual and weight (one d(residual_out) gradient, converted to each input's dtype)."""
+    check_array("x", x)
+    check_array("residual", residual)
+    if weight is not None:
+        check_array("weight", weight)
+    if residual_dtype is not None:
+        try:
+            residual_dtype = jnp.dtype(residual_dtype).name
+        except TypeError as e:
+            raise TypeError(f"residual_dtype must be a dtype or None, got {residual_dtype!r}") from e
+    _, res_dtype, variant = check_add_rms_norm(
+        x.dtype.name, tuple(x.shape), residual.dtype.name, tuple(residual.shape),
+        None if weight is None else weight.dtype.name, None if weight is None else tuple(weight.shape), eps, variant,
+        residual_dtype)
+    weight = None if weight is None else vary_like(weight, x)
+    return _add_rms_norm(x, residual, weight, float(eps), variant, res_dtype)
