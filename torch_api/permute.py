@@ -30,8 +30,11 @@ from xkern.permute import (
     check_index,
     check_layout,
     check_permutation,
+    check_probs,
     check_rows,
+    check_top_k,
     check_unpermute,
+    combine_bwd_recipe,
     generate_recipe,
     inverse_recipe,
     permute_recipe,
@@ -104,6 +107,89 @@ def _unpermute_backward(ctx, dout):
 
 _permute_op.register_autograd(_permute_backward, setup_context=_save_idx)
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
+
+
+# The top_k / weighted forms: permute from token rows, combine with probs. Eager calls go through the
+# registered ops too (their autograd is registered below; double backward is these same ops).
+
+
+@register_op("xkern::permute_token_rows")
+def _permute_token_op(x: torch.Tensor, idx: torch.Tensor, top_k: int) -> torch.Tensor:
+    x = _rows(x)
+    recipe = permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype),
+                            int(x.stride(0)), top_k)
+    (out,) = run_recipe(recipe, x.device, x=x, idx=idx.contiguous())
+    return out
+
+
+@register_op("xkern::combine_rows")
+def _combine_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int, top_k: int,
+                probs: torch.Tensor | None) -> torch.Tensor:
+    y = _rows(y)
+    recipe = unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
+                              dtype_name(idx.dtype), top_k, None if probs is None else dtype_name(probs.dtype))
+    inputs = dict(y=y, idx=idx.contiguous())
+    if probs is not None:
+        inputs["probs"] = probs.contiguous()
+    (out,) = run_recipe(recipe, y.device, **inputs)
+    return out
+
+
+@register_op("xkern::combine_rows_bwd")
+def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor, num_rows: int,
+                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dout, y = _rows(dout), _rows(y)
+    recipe = combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype),
+                                int(dout.stride(0)), int(y.stride(0)), top_k, dtype_name(probs.dtype))
+    dy, dprobs = run_recipe(recipe, y.device, dout=dout, y=y, idx=idx.contiguous(), probs=probs.contiguous())
+    return dy, dprobs.view(probs.shape)
+
+
+def _save_token_rows(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.num_rows, ctx.top_k = inputs[0].shape[0] * inputs[2], inputs[2]
+
+
+def _permute_token_backward(ctx, dout):
+    (idx,) = ctx.saved_tensors
+    return torch.ops.xkern.combine_rows(dout, idx, ctx.num_rows, ctx.top_k, None), None, None
+
+
+def _save_combine(ctx, inputs, output):
+    y, idx, num_rows, top_k, probs = inputs
+    ctx.save_for_backward(y if probs is not None else None, idx, probs)
+    ctx.num_rows, ctx.top_k = num_rows, top_k
+
+
+def _combine_backward(ctx, dout):
+    y, idx, probs = ctx.saved_tensors
+    if probs is None:  # p = 1: each slot gets its token's gradient
+        return torch.ops.xkern.permute_token_rows(dout, idx, ctx.top_k), None, None, None, None
+    dy, dprobs = torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, ctx.num_rows, ctx.top_k)
+    return dy, None, None, None, dprobs
+
+
+def _save_combine_bwd(ctx, inputs, output):
+    dout, y, idx, probs, num_rows, top_k = inputs
+    ctx.save_for_backward(dout, y, idx, probs)
+    ctx.num_rows, ctx.top_k = num_rows, top_k
+
+
+def _combine_bwd_backward(ctx, g_dy, g_dprobs):
+    # (dy, dprobs) = F(dout, y, p) is bilinear: dy[s] = p[r] dout[t], dprobs[r] = <y[s], dout[t]>. So
+    # d/d dout = combine(g_dy, p) + combine(y, g_dprobs), and F(dout, g_dy, g_dprobs) = (d/dy, d/dp).
+    dout, y, idx, probs = ctx.saved_tensors
+    n, k = ctx.num_rows, ctx.top_k
+    g_dy = torch.zeros_like(y) if g_dy is None else g_dy
+    g_dprobs = torch.zeros_like(probs) if g_dprobs is None else g_dprobs
+    ddout = torch.ops.xkern.combine_rows(g_dy, idx, n, k, probs) + torch.ops.xkern.combine_rows(y, idx, n, k, g_dprobs)
+    gy, gprobs = torch.ops.xkern.combine_rows_bwd(dout, g_dy, idx, g_dprobs, n, k)
+    return ddout, gy, None, gprobs, None, None
+
+
+_permute_token_op.register_autograd(_permute_token_backward, setup_context=_save_token_rows)
+_combine_op.register_autograd(_combine_backward, setup_context=_save_combine)
+_combine_bwd_op.register_autograd(_combine_bwd_backward, setup_context=_save_combine_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,14 +359,24 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     return torch.ops.xkern.generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment)
 
 
-def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool = False) -> torch.Tensor:
+def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool = False, *,
+                 top_k: int = 1) -> torch.Tensor:
     """`out[i] = x[permuted_indices[i]]`, a zero row where the index is -1: [len(permuted_indices), H].
 
     x: [num_rows, H] float16/bfloat16/float32 (any row stride; the last dim is read in place when
     contiguous). permuted_indices: int32/int64, -1 or a row of x. Differentiable in x: dx = dout gathered
     through the inverse permutation (`unpermute_rows`). `validate=True` (host sync) checks the valid
     entries are a one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
+
+    top_k > 1 (MoE dispatch from token rows): x holds one row per token, the indices name routed copies
+    r = t * top_k + j in [0, num_rows * top_k), and slot i reads row permuted_indices[i] // top_k (no
+    [T * top_k, H] copy is made). dx[t] sums its top_k slot gradients in FP32, rounded once
+    (`unpermute_rows(dout, idx, T * top_k, top_k=top_k)`).
     """
+    if top_k != 1 or type(top_k) is not int:  # the plain call pays one compare
+        top_k = check_top_k(top_k)
+        if top_k != 1:
+            return _permute_token_rows(x, permuted_indices, validate, top_k)
     if validate:
         _check_rows("x", x)
         _check_index("permuted_indices", permuted_indices, like=x)
@@ -304,12 +400,42 @@ def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate:
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
 
 
-def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int,
-                   validate: bool = False) -> torch.Tensor:
+def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int, validate: bool = False, *,
+                   top_k: int = 1, probs: torch.Tensor | None = None) -> torch.Tensor:
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y: dy =
-    permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`."""
+    permute_rows(dout, permuted_indices) (zero at padding). `validate=True` as in `permute_rows`.
+
+    The MoE combine (top_k > 1 or probs): num_rows = T * top_k routed copies; the result is [T, H] with
+    `out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]` (p = probs [T, top_k] float16/bfloat16/float32,
+    or 1), accumulated in FP32 in j order and rounded once to y's dtype; dropped copies add 0. Gradients:
+    dy[slot] = p[t, j] * dout[t] rounded to y's dtype, dprobs[t, j] = sum_h y[slot, h] * dout[t, h] in FP32,
+    in probs' dtype (0 for dropped copies); one kernel, no atomics."""
+    if top_k != 1 or type(top_k) is not int or probs is not None:
+        top_k = check_top_k(top_k)
+        if top_k != 1 or probs is not None:
+            return _combine_rows(y, permuted_indices, num_rows, validate, top_k, probs)
     if validate:
         _check_unpermute(y, permuted_indices, num_rows)
         check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
     return _unpermute(y, permuted_indices, num_rows)
+
+
+def _permute_token_rows(x, idx, validate: bool, top_k: int) -> torch.Tensor:
+    _check_rows("x", x)
+    _check_index("permuted_indices", idx, like=x)
+    if validate:
+        check_permutation(idx.detach().cpu().numpy(), x.shape[0] * top_k)
+    return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+
+
+def _combine_rows(y, idx, num_rows, validate: bool, top_k: int, probs) -> torch.Tensor:
+    _check_unpermute(y, idx, num_rows)
+    check_top_k(top_k, num_rows)
+    if probs is not None:
+        check_tensor("probs", probs)
+        check_probs(dtype_name(probs.dtype), tuple(probs.shape), num_rows, top_k)
+        check_device("probs", probs, like=y)
+    if validate:
+        check_permutation(idx.detach().cpu().numpy(), num_rows)
+    return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
