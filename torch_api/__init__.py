@@ -4,6 +4,7 @@ import torch
 
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.hf import patch_hf_classes, replace_rms_norm, unpatch_hf_classes
+from torch_api.hf_moe import register_xkern_experts, use_xkern_experts
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -19,8 +20,10 @@ __all__ = [
     "inverse_permutation",
     "patch_hf_classes",
     "permute_rows",
+    "register_xkern_experts",
     "replace_rms_norm",
     "rms_norm",
     "unpatch_hf_classes",
     "unpermute_rows",
+    "use_xkern_experts",
 ]
