@@ -302,13 +302,14 @@ def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1)
 
     top_k > 1 (MoE dispatch from token rows): x holds one row per token, the indices name routed copies
     r = t * top_k + j, and slot i reads row permuted_indices[i] // top_k (no [T * top_k, H] copy). dx[t]
-    sums its top_k slot gradients in FP32, rounded once.
+    sums its top_k slot gradients in FP32, rounded once. With top_k, `validate=True` allows dropped copies.
     """
     _check_rows("x", x)
     _check_index("permuted_indices", permuted_indices, like=x)
     top_k = contract.check_top_k(top_k)
     if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0] * top_k)
+        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0] * top_k,
+                                   complete=top_k == 1)
     if top_k > 1:
         return _permute_tokens(top_k, x.shape[0], x, permuted_indices)
     return _permute(x.shape[0], x, permuted_indices)
@@ -341,8 +342,9 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:
         check_array("probs", probs)
         contract.check_probs(probs.dtype.name, tuple(probs.shape), num_rows, top_k)
-    if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+    if validate:  # the top_k forms allow dropped copies (rows no slot names)
+        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows,
+                                   complete=top_k == 1 and probs is None)
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:

@@ -297,5 +297,11 @@ def test_bad_arguments_raise_clear_errors():
                lambda: jax_api.permute_rows(jnp.ones((4, 3)), jnp.asarray(to_numpy(bad)), validate=True, top_k=2)):
         with pytest.raises(ValueError, match=r"permuted_indices\[7\] = 8 is out of range"):
             fn()
+    dropped = torch.tensor([0, 1, -1, 3, -1, 5, 4, 7, 6], dtype=torch.int32, device=DEVICE)  # copy 2 dropped
+    torch_api.permute_rows(x, dropped, validate=True, top_k=2)
+    torch_api.unpermute_rows(y, dropped, 8, validate=True, top_k=2, probs=probs)
+    jax_api.unpermute_rows(jnp.ones((9, 3)), jnp.asarray(to_numpy(dropped)), 8, validate=True, top_k=2)
+    with pytest.raises(ValueError, match="never names row 2"):  # the plain op still wants every row
+        torch_api.unpermute_rows(y, dropped, 8, validate=True)
     with pytest.raises(ValueError, match="probs must be on"):
         torch_api.unpermute_rows(y, idx, 8, top_k=2, probs=probs.to("meta"))

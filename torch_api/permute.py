@@ -371,7 +371,8 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
     top_k > 1 (MoE dispatch from token rows): x holds one row per token, the indices name routed copies
     r = t * top_k + j in [0, num_rows * top_k), and slot i reads row permuted_indices[i] // top_k (no
     [T * top_k, H] copy is made). dx[t] sums its top_k slot gradients in FP32, rounded once
-    (`unpermute_rows(dout, idx, T * top_k, top_k=top_k)`).
+    (`unpermute_rows(dout, idx, T * top_k, top_k=top_k)`). With top_k, `validate=True` checks range and
+    duplicates only: a dropped copy (capacity) names no slot.
     """
     if top_k != 1 or type(top_k) is not int:  # the plain call pays one compare
         top_k = check_top_k(top_k)
@@ -410,7 +411,7 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     `out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]` (p = probs [T, top_k] float16/bfloat16/float32,
     or 1), accumulated in FP32 in j order and rounded once to y's dtype; dropped copies add 0. Gradients:
     dy[slot] = p[t, j] * dout[t] rounded to y's dtype, dprobs[t, j] = sum_h y[slot, h] * dout[t, h] in FP32,
-    in probs' dtype (0 for dropped copies); one kernel, no atomics."""
+    in probs' dtype (0 for dropped copies); one kernel, no atomics. `validate=True` allows dropped copies."""
     if top_k != 1 or type(top_k) is not int or probs is not None:
         top_k = check_top_k(top_k)
         if top_k != 1 or probs is not None:
@@ -425,7 +426,7 @@ def _permute_token_rows(x, idx, validate: bool, top_k: int) -> torch.Tensor:
     _check_rows("x", x)
     _check_index("permuted_indices", idx, like=x)
     if validate:
-        check_permutation(idx.detach().cpu().numpy(), x.shape[0] * top_k)
+        check_permutation(idx.detach().cpu().numpy(), x.shape[0] * top_k, complete=False)
     return torch.ops.xkern.permute_token_rows(x, idx, top_k)
 
 
@@ -437,5 +438,5 @@ def _combine_rows(y, idx, num_rows, validate: bool, top_k: int, probs) -> torch.
         check_probs(dtype_name(probs.dtype), tuple(probs.shape), num_rows, top_k)
         check_device("probs", probs, like=y)
     if validate:
-        check_permutation(idx.detach().cpu().numpy(), num_rows)
+        check_permutation(idx.detach().cpu().numpy(), num_rows, complete=False)
     return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)

@@ -720,9 +720,10 @@ def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignme
 # Host-side checks (validate=True), shared by both front ends.
 
 
-def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indices") -> None:
+def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indices", complete: bool = True) -> None:
     """Raise ValueError unless the entries of `idx` other than -1 map one-to-one onto 0..num_rows-1,
-    naming the first out-of-range, duplicate or missing index."""
+    naming the first out-of-range, duplicate or missing index. `complete=False` (the top_k forms, whose
+    dropped copies name no slot) lets rows go unnamed."""
     idx = np.asarray(idx).astype(np.int64).reshape(-1)
     bad = np.flatnonzero((idx < -1) | (idx >= num_rows))
     if bad.size:
@@ -736,7 +737,7 @@ def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indi
     if dup.size:
         first, second = sorted(int(slots[order[j]]) for j in (dup[0], dup[0] + 1))
         raise ValueError(f"{name} names row {int(rows[order][dup[0]])} twice: at slots {first} and {second}")
-    if rows.size != num_rows:
+    if complete and rows.size != num_rows:
         seen = np.zeros(num_rows, bool)
         seen[rows] = True
         missing = int(np.flatnonzero(~seen)[0])
