@@ -305,3 +305,20 @@ def test_bad_arguments_raise_clear_errors():
         torch_api.unpermute_rows(y, dropped, 8, validate=True)
     with pytest.raises(ValueError, match="probs must be on"):
         torch_api.unpermute_rows(y, idx, 8, top_k=2, probs=probs.to("meta"))
+
+
+def test_moe_layer_benchmark_paths_agree():
+    """benchmarks/moe_layer.py's step at its smoke size: xkern's path and the peers' give the same layer
+    (outputs and every gradient, to bf16 rounding), and xkern's is the same bits run to run."""
+    from benchmarks import moe_layer
+
+    size = moe_layer.SMOKE_SIZE
+    inp = moe_layer.torch_inputs(size, DEVICE)
+    steps = {name: moe_layer.torch_step(moe_layer.TORCH_PATHS[name], inp, size["top_k"], size["experts"], whole=True)
+             for name in ("xkern", "torchtitan", "plain")}
+    for name in ("torchtitan", "plain"):
+        for got, want in zip(steps["xkern"], steps[name], strict=True):
+            scale = want.float().abs().max()
+            assert (got.float() - want.float()).abs().max() <= 2e-2 * scale, name
+    again = moe_layer.torch_step(moe_layer.xkern_path, inp, size["top_k"], size["experts"], whole=True)
+    assert all(moe_layer.same_bits(a, b) for a, b in zip(again, steps["xkern"], strict=True))
