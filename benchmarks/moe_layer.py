@@ -23,7 +23,7 @@ Reported per size and path: the whole step's device time, dispatch + combine alo
 identity experts), peak memory of one eager step above what was allocated before it, the output's relative
 difference to torchtitan's, and whether two runs give the same bits (outputs and every gradient). JAX: the
 xkern path's step and its dispatch + combine (jitted; host wall time of back-to-back calls, so device time
-where the step is device-bound). Results: `<out>/<gpu>-moe-layer.json` and `.md`.
+where the step is device-bound). Results: `<out>/<gpu>-moe-layer.json`, `.md` and `.png` (bars per path).
 """
 
 from __future__ import annotations
@@ -412,6 +412,32 @@ def markdown(rows: list[dict], gpu: str) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], gpu: str, path: str) -> str | None:
+    """Bars of device time per path, a panel per (size, part): drawn from the rows (the JSON's)."""
+    from benchmarks.report import _plt
+
+    panels = list(dict.fromkeys((r["size"], r["part"]) for r in rows if "us" in r))
+    if not panels:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    for ax, (size, part) in zip(axes[0], panels, strict=True):
+        sel = [r for r in rows if r["size"] == size and r["part"] == part and "us" in r]
+        labels = [f"{r['impl']}\n({r['framework']})" for r in sel]
+        ax.bar(range(len(sel)), [r["us"] / 1e3 for r in sel],
+               color=["tab:blue" if r["impl"] == "xkern" else "tab:grey" for r in sel])
+        ax.set_xticks(range(len(sel)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("ms per step (fwd + bwd)")
+        ax.set_title(f"{size} (T={sel[0]['tokens']}): {part}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"MoE layer step, {gpu}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
@@ -449,7 +475,11 @@ def main(argv=None) -> int:
             json.dump({"gpu": gpu, "commit": commit(), "smoke": smoke, "align": ALIGN, "rows": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
             f.write(md + "\n")
-        print(f"wrote {stem}.json and .md")
+        try:
+            drawn = plot(rows, gpu, stem + ".png")
+        except ImportError as err:  # no matplotlib: the tables are still written
+            drawn = f"no plot ({err})"
+        print(f"wrote {stem}.json, .md and {drawn}")
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False)]
     return 1 if bad else 0
 
