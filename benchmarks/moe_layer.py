@@ -23,7 +23,8 @@ Reported per size and path: the whole step's device time, dispatch + combine alo
 identity experts), peak memory of one eager step above what was allocated before it, the output's relative
 difference to torchtitan's, and whether two runs give the same bits (outputs and every gradient). JAX: the
 xkern path's step and its dispatch + combine (jitted; host wall time of back-to-back calls, so device time
-where the step is device-bound). Results: `<out>/<gpu>-moe-layer.json`, `.md` and `.png` (bars per path).
+where the step is device-bound). Results: `<out>/<gpu>-moe-layer[-<sizes>].json`, `.md` and `.png` (bars
+per path; `-<sizes>` when --sizes picks a subset, so two calls with one size each keep both).
 """
 
 from __future__ import annotations
@@ -470,7 +471,8 @@ def main(argv=None) -> int:
     out_dir = args.out or (RESULTS if GPU and not smoke else None)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, gpu.lower().replace(" ", "-") + "-moe-layer")
+        chosen = "" if smoke or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
+        stem = os.path.join(out_dir, gpu.lower().replace(" ", "-") + "-moe-layer" + chosen)
         with open(stem + ".json", "w") as f:
             json.dump({"gpu": gpu, "commit": commit(), "smoke": smoke, "align": ALIGN, "rows": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
