@@ -322,3 +322,37 @@ def test_moe_layer_benchmark_paths_agree():
             assert (got.float() - want.float()).abs().max() <= 2e-2 * scale, name
     again = moe_layer.torch_step(moe_layer.xkern_path, inp, size["top_k"], size["experts"], whole=True)
     assert all(moe_layer.same_bits(a, b) for a, b in zip(again, steps["xkern"], strict=True))
+
+
+def test_torch_forward_mode_and_hvp():
+    """jvp of the top_k gather and of the weighted combine (linear in y and in p), and a Hessian-vector
+    product through the combine's backward (forward mode over reverse), against float64 autograd."""
+    tokens, top_k, hidden = 5, 2, 16
+    idx_np = _routing(("jvp",), tokens, top_k, 4)
+    n, tidx = tokens * top_k, to_torch(idx_np)
+    rng = _rng("jvp")
+    x, tx = (to_torch(rand(rng, (tokens, hidden), "float32")) for _ in range(2))
+    y, ty = (to_torch(rand(rng, (len(idx_np), hidden), "float32")) for _ in range(2))
+    p, tp = (to_torch(rand(rng, (tokens, top_k), "float32")) for _ in range(2))
+    _, got = torch.func.jvp(lambda x: torch_api.permute_rows(x, tidx, top_k=top_k), (x,), (tx,))
+    assert same_bits(got, torch_api.permute_rows(tx, tidx, top_k=top_k))
+
+    def combine(y, p):
+        return torch_api.unpermute_rows(y, tidx, n, top_k=top_k, probs=p)
+
+    def ref(y, p):
+        return _ref_combine(y, tidx.cpu(), n, top_k, p)
+
+    _, got = torch.func.jvp(combine, (y, p), (ty, tp))
+    _, want = torch.func.jvp(ref, (y.double().cpu(), p.double().cpu()), (ty.double().cpu(), tp.double().cpu()))
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    w = to_torch(rand(rng, (tokens, hidden), "float32"))
+
+    def hvp(f, cast):
+        grad = torch.func.grad(lambda y, p: (f(y, p) * cast(w)).sum(), argnums=(0, 1))
+        return torch.func.jvp(grad, (cast(y), cast(p)), (cast(ty), cast(tp)))[1]
+
+    got = hvp(combine, lambda t: t)
+    want = hvp(ref, lambda t: t.double().cpu())
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double().cpu(), r, rtol=1e-5, atol=1e-5)

@@ -109,8 +109,9 @@ _permute_op.register_autograd(_permute_backward, setup_context=_save_idx)
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
 
 
-# The top_k / weighted forms: permute from token rows, combine with probs. Eager calls go through the
-# registered ops too (their autograd is registered below; double backward is these same ops).
+# The top_k / weighted forms: permute from token rows, combine with probs. Their autograd is registered on
+# the ops and, for eager calls, the same functions in autograd.Functions with forward mode; gradients of
+# any order are these same ops.
 
 
 @register_op("xkern::permute_token_rows")
@@ -145,51 +146,114 @@ def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, prob
     return dy, dprobs.view(probs.shape)
 
 
+def _save(ctx, tensors, **attrs):
+    ctx.save_for_backward(*tensors)
+    if forward_mode():
+        ctx.save_for_forward(*tensors)
+    ctx.__dict__.update(attrs)
+
+
 def _save_token_rows(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-    ctx.num_rows, ctx.top_k = inputs[0].shape[0] * inputs[2], inputs[2]
+    x, idx, top_k = inputs
+    _save(ctx, (idx,), num_rows=x.shape[0] * top_k, top_k=top_k)
 
 
 def _permute_token_backward(ctx, dout):
     (idx,) = ctx.saved_tensors
-    return torch.ops.xkern.combine_rows(dout, idx, ctx.num_rows, ctx.top_k, None), None, None
+    return _combine(dout, idx, ctx.num_rows, ctx.top_k, None), None, None
+
+
+def _permute_token_jvp(ctx, tx, _, __):
+    (idx,) = ctx.saved_tensors
+    return _permute_tokens(tx, idx, ctx.top_k)
 
 
 def _save_combine(ctx, inputs, output):
     y, idx, num_rows, top_k, probs = inputs
-    ctx.save_for_backward(y if probs is not None else None, idx, probs)
-    ctx.num_rows, ctx.top_k = num_rows, top_k
+    _save(ctx, (y if probs is not None else None, idx, probs), num_rows=num_rows, top_k=top_k)
 
 
 def _combine_backward(ctx, dout):
     y, idx, probs = ctx.saved_tensors
     if probs is None:  # p = 1: each slot gets its token's gradient
-        return torch.ops.xkern.permute_token_rows(dout, idx, ctx.top_k), None, None, None, None
-    dy, dprobs = torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, ctx.num_rows, ctx.top_k)
+        return _permute_tokens(dout, idx, ctx.top_k), None, None, None, None
+    dy, dprobs = _combine_grads(dout, y, idx, probs, ctx.num_rows, ctx.top_k)
     return dy, None, None, None, dprobs
+
+
+def _combine_jvp(ctx, ty, _, __, ___, tprobs):
+    # linear in y and in p: d out = combine(ty, p) + combine(y, tp)
+    y, idx, probs = ctx.saved_tensors
+    parts = [] if ty is None else [_combine(ty, idx, ctx.num_rows, ctx.top_k, probs)]
+    if tprobs is not None:
+        parts.append(_combine(y, idx, ctx.num_rows, ctx.top_k, tprobs))
+    return sum(parts[1:], parts[0])
 
 
 def _save_combine_bwd(ctx, inputs, output):
     dout, y, idx, probs, num_rows, top_k = inputs
-    ctx.save_for_backward(dout, y, idx, probs)
-    ctx.num_rows, ctx.top_k = num_rows, top_k
+    _save(ctx, (dout, y, idx, probs), num_rows=num_rows, top_k=top_k)
 
 
 def _combine_bwd_backward(ctx, g_dy, g_dprobs):
-    # (dy, dprobs) = F(dout, y, p) is bilinear: dy[s] = p[r] dout[t], dprobs[r] = <y[s], dout[t]>. So
+    # (dy, dprobs) = F(dout, y, p) = (p[r] dout[t], <y[s], dout[t]>) is bilinear in dout and (y, p): so
     # d/d dout = combine(g_dy, p) + combine(y, g_dprobs), and F(dout, g_dy, g_dprobs) = (d/dy, d/dp).
     dout, y, idx, probs = ctx.saved_tensors
     n, k = ctx.num_rows, ctx.top_k
     g_dy = torch.zeros_like(y) if g_dy is None else g_dy
     g_dprobs = torch.zeros_like(probs) if g_dprobs is None else g_dprobs
-    ddout = torch.ops.xkern.combine_rows(g_dy, idx, n, k, probs) + torch.ops.xkern.combine_rows(y, idx, n, k, g_dprobs)
-    gy, gprobs = torch.ops.xkern.combine_rows_bwd(dout, g_dy, idx, g_dprobs, n, k)
+    ddout = _combine(g_dy, idx, n, k, probs) + _combine(y, idx, n, k, g_dprobs)
+    gy, gprobs = _combine_grads(dout, g_dy, idx, g_dprobs, n, k)
     return ddout, gy, None, gprobs, None, None
+
+
+def _combine_bwd_jvp(ctx, tdout, ty, _, tprobs, __, ___):
+    # bilinear: d F = F(tdout, y, p) + F(dout, ty, tp)
+    dout, y, idx, probs = ctx.saved_tensors
+    n, k = ctx.num_rows, ctx.top_k
+    zero = torch.zeros_like
+    a = _combine_grads(zero(dout) if tdout is None else tdout, y, idx, probs, n, k)
+    b = _combine_grads(dout, zero(y) if ty is None else ty, idx, zero(probs) if tprobs is None else tprobs, n, k)
+    return a[0] + b[0], a[1] + b[1]
 
 
 _permute_token_op.register_autograd(_permute_token_backward, setup_context=_save_token_rows)
 _combine_op.register_autograd(_combine_backward, setup_context=_save_combine)
 _combine_bwd_op.register_autograd(_combine_bwd_backward, setup_context=_save_combine_bwd)
+
+
+def _function(name: str, op, setup_context, backward, jvp) -> type[torch.autograd.Function]:
+    """The eager form of a registered op: the same autograd, plus forward mode (`jvp`)."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda *args: op(*args)), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "jvp": staticmethod(jvp)})
+
+
+_PermuteTokens = _function("_PermuteTokens", torch.ops.xkern.permute_token_rows, _save_token_rows,
+                           _permute_token_backward, _permute_token_jvp)
+_Combine = _function("_Combine", torch.ops.xkern.combine_rows, _save_combine, _combine_backward, _combine_jvp)
+_CombineGrads = _function("_CombineGrads", torch.ops.xkern.combine_rows_bwd, _save_combine_bwd, _combine_bwd_backward,
+                          _combine_bwd_jvp)
+
+
+# Eager calls that need autograd take the Functions (forward mode too); compiled code and calls without
+# autograd, the ops (whose registered autograd is the same).
+def _permute_tokens(x, idx, top_k):
+    if eager(x, idx) and needs_autograd(x):
+        return _PermuteTokens.apply(x, idx, top_k)
+    return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+
+
+def _combine(y, idx, num_rows, top_k, probs):
+    if eager(y, idx) and needs_autograd(y, probs):
+        return _Combine.apply(y, idx, num_rows, top_k, probs)
+    return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+
+
+def _combine_grads(dout, y, idx, probs, num_rows, top_k):
+    if eager(dout, y) and needs_autograd(dout, y, probs):
+        return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
+    return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -427,7 +491,7 @@ def _permute_token_rows(x, idx, validate: bool, top_k: int) -> torch.Tensor:
     _check_index("permuted_indices", idx, like=x)
     if validate:
         check_permutation(idx.detach().cpu().numpy(), x.shape[0] * top_k, complete=False)
-    return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+    return _permute_tokens(x, idx, top_k)
 
 
 def _combine_rows(y, idx, num_rows, validate: bool, top_k: int, probs) -> torch.Tensor:
@@ -439,4 +503,4 @@ def _combine_rows(y, idx, num_rows, validate: bool, top_k: int, probs) -> torch.
         check_device("probs", probs, like=y)
     if validate:
         check_permutation(idx.detach().cpu().numpy(), num_rows, complete=False)
-    return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    return _combine(y, idx, num_rows, top_k, probs)
