@@ -233,7 +233,10 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
     path = TORCH_PATHS[name]
     row = {"framework": "torch", "impl": name, "part": "layer" if whole else "dispatch+combine"}
     try:
-        first = [fingerprint(t) for t in torch_step(path, inp, top_k, num_experts, whole)]
+        step = torch_step(path, inp, top_k, num_experts, whole)
+        out = step[0].detach()
+        first = [fingerprint(t) for t in step]
+        del step
         second = [fingerprint(t) for t in torch_step(path, inp, top_k, num_experts, whole)]
         row["bitwise_run_to_run"] = all(same_bits(a, b) for a, b in zip(first, second, strict=True))
         del second
@@ -247,7 +250,7 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
         row["us"], row["timing"] = timing.torch_device_us(
             lambda: [lambda: torch_step(path, inp, top_k, num_experts, whole)])
         row["status"] = "ok"
-        row["_out"] = first[0]
+        row["_out"] = out
     except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
         row["status"] = timing.error_status(err)
     return row
@@ -295,6 +298,19 @@ def jax_functions(size: dict):
     return layer, dc, jax.jit(routing)
 
 
+def jax_fingerprint(a):
+    """As `fingerprint`, for a jax array: on the host whole, or (large) two sums of its bits computed on the
+    device (int32, wrapping: still the same for the same bits)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if a.size * a.dtype.itemsize <= EXACT_BYTES:
+        return np.asarray(a)
+    bits = jax.lax.bitcast_convert_type(a, {2: jnp.int16, 4: jnp.int32}[a.dtype.itemsize]).astype(jnp.int32)
+    return np.asarray(jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.astype(jnp.float32).sum()]))
+
+
 def measure_jax(size: dict, inp: dict, smoke: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -320,10 +336,13 @@ def measure_jax(size: dict, inp: dict, smoke: bool) -> list[dict]:
     for part, call in calls.items():
         row = {"framework": "jax", "impl": "xkern", "part": part}
         try:
-            first, second = jax.block_until_ready(call()), jax.block_until_ready(call())
-            row["bitwise_run_to_run"] = all(
-                np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-                for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True))
+            first = call()
+            out = first[1]
+            first = [jax_fingerprint(a) for a in jax.tree.leaves(first)]
+            second = [jax_fingerprint(a) for a in jax.tree.leaves(call())]
+            row["bitwise_run_to_run"] = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                                            for a, b in zip(first, second, strict=True))
+            del first, second
             # The layer's outputs hold the experts' weight gradients (22.5 GB at the DeepSeek size): one call in
             # flight at a time there (its host dispatch is ~0.1 % of the step); dispatch+combine back to back.
             n, each = (2 if smoke else 20), part == "layer"
@@ -343,7 +362,7 @@ def measure_jax(size: dict, inp: dict, smoke: bool) -> list[dict]:
             if stats and "peak_bytes_in_use" in stats:
                 row["peak_mib_process"] = stats["peak_bytes_in_use"] / 2**20
             row["status"] = "ok"
-            row["_out"] = first[1]
+            row["_out"] = out
         except Exception as err:  # noqa: BLE001
             row["status"] = timing.error_status(err)
         rows.append(row)
