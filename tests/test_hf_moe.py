@@ -94,3 +94,23 @@ def test_expert_parallel_sentinels_add_nothing():
     sentinel = ids == experts.num_experts
     want = hf_moe.xkern_experts_forward(experts, h, ids.masked_fill(sentinel, 0), w.masked_fill(sentinel, 0.0))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_through_the_norm_patch_entry_points():
+    """replace_rms_norm(model, experts=True) routes the experts too; patch_hf_classes(experts=True) registers
+    "xkern", which from_config then takes by name."""
+    from torch_api import hf
+
+    model = _model("mixtral")
+    want = model(IDS).logits
+    assert hf.replace_rms_norm(model, experts=True) > 0
+    assert model.config._experts_implementation == "xkern"
+    torch.testing.assert_close(model(IDS).logits, want, rtol=1e-5, atol=1e-5)
+    try:
+        hf.patch_hf_classes("mixtral", experts=True)
+        config = AutoConfig.for_model("mixtral", **{**TINY, **FAMILIES["mixtral"]})
+        torch.manual_seed(0)
+        built = AutoModelForCausalLM.from_config(config, experts_implementation="xkern")
+        assert built.config._experts_implementation == "xkern"
+    finally:
+        hf.unpatch_hf_classes()

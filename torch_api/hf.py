@@ -261,10 +261,15 @@ def _is_unpatched(m: torch.nn.Module) -> bool:
     return getattr(type(m), "forward", None) is not _class_forward and _is_unset(m, "forward")
 
 
-def replace_rms_norm(model: torch.nn.Module) -> int:
+def replace_rms_norm(model: torch.nn.Module, *, experts: bool = False) -> int:
     """Route the forward of every module of `model` whose class computes one of the math xkern computes
     (`norm_math`) through `torch_api.rms_norm`; returns how many modules were patched (0 on a second call,
-    and for modules whose class `patch_hf_classes` patched)."""
+    and for modules whose class `patch_hf_classes` patched). `experts=True` (opt-in) also routes the model's
+    MoE experts modules through xkern's dispatch and weighted combine (`torch_api.hf_moe.use_xkern_experts`)."""
+    if experts:
+        from torch_api.hf_moe import use_xkern_experts
+
+        use_xkern_experts(model)
     n = 0
     for m in model.modules():
         math = norm_math(type(m))
@@ -294,10 +299,16 @@ def _class_extra_repr(self) -> str:
     return ", ".join(s for s in (base, None if math is None else f"xkern={math.variant}") if s)
 
 
-def patch_hf_classes(*model_types: str) -> list[type]:
+def patch_hf_classes(*model_types: str, experts: bool = False) -> list[type]:
     """Patch the classes of `hf_norm_classes(*model_types)` whose math xkern computes, so that every model
     built afterwards (`from_pretrained`, `from_config`, direct construction) runs its norms through xkern.
-    Idempotent; returns the classes this call patched. `unpatch_hf_classes()` undoes it."""
+    Idempotent; returns the classes this call patched. `unpatch_hf_classes()` undoes it. `experts=True`
+    (opt-in) also registers "xkern" as a transformers experts implementation, which a model then takes with
+    `from_pretrained(..., experts_implementation="xkern")` (or `use_xkern_experts(model)` after building)."""
+    if experts:
+        from torch_api.hf_moe import register_xkern_experts
+
+        register_xkern_experts()
     classes = hf_norm_classes(*model_types)
     maths = {cls: norm_math(cls) for cls in classes}  # probe all before patching any (subclasses inherit)
     patched = []
