@@ -356,3 +356,39 @@ def test_torch_forward_mode_and_hvp():
     want = hvp(ref, lambda t: t.double().cpu())
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g.double().cpu(), r, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_topk_ops():
+    idx = torch.tensor([3, -1, 0, 5, 1, 2, 4, -1, 7], dtype=torch.int32, device=DEVICE)  # copy 6 dropped
+    g = torch.Generator().manual_seed(0)
+    x, y, d = (torch.randn(*s, generator=g).to(DEVICE).requires_grad_() for s in ((4, 8), (9, 8), (4, 8)))
+    p = torch.rand(4, 2, generator=g).to(DEVICE).requires_grad_()
+    torch.library.opcheck(torch.ops.xkern.permute_token_rows.default, (x, idx, 2))
+    torch.library.opcheck(torch.ops.xkern.combine_rows.default, (y, idx, 8, 2, p))
+    torch.library.opcheck(torch.ops.xkern.combine_rows.default, (y, idx, 8, 2, None))
+    torch.library.opcheck(torch.ops.xkern.combine_rows_bwd.default, (d, y, idx, p, 8, 2))
+
+
+def test_indices_naming_no_copy_are_dropped():
+    """Without validate=True an index naming no routed copy (below -1, >= T * top_k, past int32 in int64)
+    names nothing: a zero row in the dispatch, nothing added in the combine, no gradient anywhere."""
+    tokens, top_k, hidden = 3, 2, 8
+    idx = np.array([0, 2**40, 1, -5, 2, 6, 3, 4, 5], np.int64)  # 2**40, -5 and 6 (= T * top_k) name nothing
+    rng = _rng("naming-no-copy")
+    x, y = rand(rng, (tokens, hidden), "float32"), rand(rng, (len(idx), hidden), "float32")
+    p = rand(rng, (tokens, top_k), "float32")
+    clean = np.where((idx >= 0) & (idx < tokens * top_k), idx, -1)
+    tx, ty, tp = (to_torch(a).requires_grad_() for a in (x, y, p))
+    perm = torch_api.permute_rows(tx, to_torch(idx), top_k=top_k)
+    out = torch_api.unpermute_rows(ty, to_torch(idx), tokens * top_k, top_k=top_k, probs=tp)
+    assert same_bits(perm, R.permute_token_rows(x, clean, top_k))
+    (out.sum() + perm.sum()).backward()
+    ref = R.combine_rows(y, clean, tokens * top_k, top_k, p)
+    assert np.allclose(to_numpy(out), ref, rtol=1e-6, atol=1e-6)
+    ref_dy, ref_dp = R.combine_rows_bwd(np.ones((tokens, hidden)), y, clean, tokens * top_k, top_k, p)
+    assert np.allclose(to_numpy(ty.grad), ref_dy, rtol=1e-6, atol=1e-6)
+    assert np.allclose(to_numpy(tp.grad), ref_dp, rtol=1e-5, atol=1e-5)
+    with jax.enable_x64(True):
+        jout = jax_api.unpermute_rows(jnp.asarray(y), jnp.asarray(idx), tokens * top_k, top_k=top_k,
+                                      probs=jnp.asarray(p))
+        assert same_bits(jout, out)
