@@ -114,12 +114,25 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
 # any order are these same ops.
 
 
+def _token_rows_recipe(x, idx, top_k):
+    return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)),
+                          top_k)
+
+
+def _combine_recipe(y, idx, num_rows, top_k, probs):
+    return unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
+                            dtype_name(idx.dtype), top_k, None if probs is None else dtype_name(probs.dtype))
+
+
+def _combine_grads_recipe(dout, y, idx, probs, num_rows, top_k):
+    return combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(dout.stride(0)),
+                              int(y.stride(0)), top_k, dtype_name(probs.dtype))
+
+
 @register_op("xkern::permute_token_rows")
 def _permute_token_op(x: torch.Tensor, idx: torch.Tensor, top_k: int) -> torch.Tensor:
     x = _rows(x)
-    recipe = permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype),
-                            int(x.stride(0)), top_k)
-    (out,) = run_recipe(recipe, x.device, x=x, idx=idx.contiguous())
+    (out,) = run_recipe(_token_rows_recipe(x, idx, top_k), x.device, x=x, idx=idx.contiguous())
     return out
 
 
@@ -127,12 +140,9 @@ def _permute_token_op(x: torch.Tensor, idx: torch.Tensor, top_k: int) -> torch.T
 def _combine_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int, top_k: int,
                 probs: torch.Tensor | None) -> torch.Tensor:
     y = _rows(y)
-    recipe = unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
-                              dtype_name(idx.dtype), top_k, None if probs is None else dtype_name(probs.dtype))
-    inputs = dict(y=y, idx=idx.contiguous())
-    if probs is not None:
-        inputs["probs"] = probs.contiguous()
-    (out,) = run_recipe(recipe, y.device, **inputs)
+    inputs = dict(y=y, idx=idx.contiguous()) if probs is None else dict(y=y, idx=idx.contiguous(),
+                                                                         probs=probs.contiguous())
+    (out,) = run_recipe(_combine_recipe(y, idx, num_rows, top_k, probs), y.device, **inputs)
     return out
 
 
@@ -140,10 +150,45 @@ def _combine_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int, top_k: int,
 def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor, num_rows: int,
                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     dout, y = _rows(dout), _rows(y)
-    recipe = combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype),
-                                int(dout.stride(0)), int(y.stride(0)), top_k, dtype_name(probs.dtype))
-    dy, dprobs = run_recipe(recipe, y.device, dout=dout, y=y, idx=idx.contiguous(), probs=probs.contiguous())
+    dy, dprobs = run_recipe(_combine_grads_recipe(dout, y, idx, probs, num_rows, top_k), y.device, dout=dout, y=y,
+                            idx=idx.contiguous(), probs=probs.contiguous())
     return dy, dprobs.view(probs.shape)
+
+
+# Eager (plain tensors, not compiling): the same recipes through cached Executors (no op dispatch).
+def _layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _executor(key, make) -> Executor:
+    ex = _EXECUTORS.get(key)
+    if ex is None:
+        ex = _EXECUTORS[key] = make()
+    return ex
+
+
+def _token_rows_eager(x, idx, top_k):
+    x, idx = _rows(x), idx.contiguous()
+    ex = _executor(("token_rows", _layout(x), _layout(idx), top_k),
+                   lambda: Executor(_token_rows_recipe(x, idx, top_k), ("x", "idx")))
+    return ex(x, idx)[0]
+
+
+def _combine_eager(y, idx, num_rows, top_k, probs):
+    y, idx = _rows(y), idx.contiguous()
+    inputs = (y, idx) if probs is None else (y, idx, probs.contiguous())
+    names = ("y", "idx", "probs")[:len(inputs)]
+    ex = _executor(("combine", _layout(y), _layout(idx), num_rows, top_k, _layout(probs)),
+                   lambda: Executor(_combine_recipe(y, idx, num_rows, top_k, probs), names))
+    return ex(*inputs)[0]
+
+
+def _combine_grads_eager(dout, y, idx, probs, num_rows, top_k):
+    dout, y, idx, probs = _rows(dout), _rows(y), idx.contiguous(), probs.contiguous()
+    ex = _executor(("combine_grads", _layout(dout), _layout(y), _layout(idx), _layout(probs), num_rows, top_k),
+                   lambda: Executor(_combine_grads_recipe(dout, y, idx, probs, num_rows, top_k),
+                                    ("dout", "y", "idx", "probs"), shapes={"dprobs": tuple(probs.shape)}))
+    return tuple(ex(dout, y, idx, probs))
 
 
 def _save(ctx, tensors, **attrs):
@@ -229,31 +274,35 @@ def _function(name: str, op, setup_context, backward, jvp) -> type[torch.autogra
         "backward": staticmethod(backward), "jvp": staticmethod(jvp)})
 
 
-_PermuteTokens = _function("_PermuteTokens", torch.ops.xkern.permute_token_rows, _save_token_rows,
-                           _permute_token_backward, _permute_token_jvp)
-_Combine = _function("_Combine", torch.ops.xkern.combine_rows, _save_combine, _combine_backward, _combine_jvp)
-_CombineGrads = _function("_CombineGrads", torch.ops.xkern.combine_rows_bwd, _save_combine_bwd, _combine_bwd_backward,
+_PermuteTokens = _function("_PermuteTokens", _token_rows_eager, _save_token_rows, _permute_token_backward,
+                           _permute_token_jvp)
+_Combine = _function("_Combine", _combine_eager, _save_combine, _combine_backward, _combine_jvp)
+_CombineGrads = _function("_CombineGrads", _combine_grads_eager, _save_combine_bwd, _combine_bwd_backward,
                           _combine_bwd_jvp)
 
 
-# Eager calls that need autograd take the Functions (forward mode too); compiled code and calls without
-# autograd, the ops (whose registered autograd is the same).
+# Eager calls take the Executors, through the Functions where autograd is needed (forward mode too);
+# compiled and traced code, the ops (whose registered autograd is the same).
 def _permute_tokens(x, idx, top_k):
-    if eager(x, idx) and needs_autograd(x):
-        return _PermuteTokens.apply(x, idx, top_k)
-    return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+    if not eager(x, idx):
+        return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+    return _PermuteTokens.apply(x, idx, top_k) if needs_autograd(x) else _token_rows_eager(x, idx, top_k)
 
 
 def _combine(y, idx, num_rows, top_k, probs):
-    if eager(y, idx) and needs_autograd(y, probs):
+    if not (eager(y, idx) and eager(idx, probs)):
+        return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    if needs_autograd(y, probs):
         return _Combine.apply(y, idx, num_rows, top_k, probs)
-    return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    return _combine_eager(y, idx, num_rows, top_k, probs)
 
 
 def _combine_grads(dout, y, idx, probs, num_rows, top_k):
-    if eager(dout, y) and needs_autograd(dout, y, probs):
+    if not (eager(dout, y) and eager(idx, probs)):
+        return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
+    if needs_autograd(dout, y, probs):
         return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
-    return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
+    return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
