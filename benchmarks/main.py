@@ -2,6 +2,7 @@
 
     python -m benchmarks.main [--quick | --sweep [--part K/N] [--widths W,...] | --host | --smoke] [--only OP]
                               [--out DIR] [--budget-s S]
+    python -m benchmarks.main --moe [--smoke] [--out DIR]     (the MoE layer step: benchmarks/moe_layer.py)
 
 `--only add_rms_norm`: the fused residual add's table alone (benchmarks/add_rms_norm.py), into
 `<gpu>-add_rms_norm.json` and `.md`; a main run makes the table after the block step.
@@ -332,11 +333,16 @@ def main(argv=None) -> int:
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
+    parser.add_argument("--moe", action="store_true", help="the MoE layer step instead (benchmarks/moe_layer.py)")
     parser.add_argument("--out", help="where results go (default: benchmarks/results/<gpu kind>/ on a GPU, nothing on "
                         "CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new case after this many seconds (GPU default 420; sweep 3000)")
     args = parser.parse_args(argv)
+    if args.moe:
+        from benchmarks import moe_layer
+
+        return moe_layer.main(["--smoke"] * args.smoke + ["--out", args.out] * bool(args.out))
     if args.budget_s is None:  # none without a GPU: the validation there must run whole
         args.budget_s = (3000.0 if args.sweep else 420.0) if GPU else float("inf")
     return run(args)

@@ -44,9 +44,12 @@ def execute(recipe: Recipe, **inputs) -> list[jax.Array]:
     for step in recipe.steps:
         if step.launch is None:
             outs = [jnp.full(b.shape, 0 if b.fill is None else b.fill, b.dtype) for b in step.outputs]
-        else:
+        else:  # an output with a fill (only 0) is zeroed before the launch (a memset, as torch.zeros)
+            zeroed = tuple(i for i, b in enumerate(step.outputs) if b.fill is not None)
+            assert all(step.outputs[i].fill == 0 for i in zeroed), "kernel outputs can only be zero-filled"
             outs = call(step.launch, [env[n] for n in step.inputs],
-                        [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in step.outputs], **step.scalars)
+                        [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in step.outputs],
+                        zeroed=zeroed, **step.scalars)
         env.update(zip((b.name for b in step.outputs), outs))
     return [env[n] for n in recipe.results]
 
@@ -63,13 +66,14 @@ def host_custom_call():
         _HOST_CALL = saved
 
 
-def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
-    """Launch `plan` on `inputs`, returning new arrays shaped like `out_types` (ShapeDtypeStructs)."""
+def call(plan: Launch, inputs, out_types, zeroed: tuple[int, ...] = (), **scalars) -> list[jax.Array]:
+    """Launch `plan` on `inputs`, returning new arrays shaped like `out_types` (ShapeDtypeStructs); the
+    outputs numbered in `zeroed` hold zeros before the launch."""
     if jax.default_backend() == "cpu" and not _FORCE_GPU:
         if not INTERPRET:
             raise RuntimeError("jax_api runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 "
                                "before triton is first imported")
-        run = functools.partial(_interpret, plan, out_types, scalars)
+        run = functools.partial(_interpret, plan, out_types, scalars, zeroed)
         if _HOST_CALL:
             from jax_api._host_call import host_call
 
@@ -84,7 +88,7 @@ def call(plan: Launch, inputs, out_types, **scalars) -> list[jax.Array]:
     # jax-triton would bake them into the binary and compile other code than the torch launch.
     outs = jt.triton_call(*inputs, *ordered_scalars(plan, scalars), kernel=plan.kernel, grid=plan.grid,
                           num_warps=plan.num_warps, num_stages=plan.num_stages, **{key: list(out_types)},
-                          **target, **plan.constexprs)
+                          **({"zeroed_outputs": zeroed} if zeroed else {}), **target, **plan.constexprs)
     return list(outs)
 
 
@@ -139,9 +143,9 @@ class _HostArray:
         return tuple(s // self.array.itemsize for s in self.array.strides)
 
 
-def _interpret(plan: Launch, out_types, scalars, *inputs):
+def _interpret(plan: Launch, out_types, scalars, zeroed, *inputs):
     # Not on the callback's own thread: XLA runs it with subnormals flushed (see run_interpreted).
-    outs = [np.empty(t.shape, t.dtype) for t in out_types]
+    outs = [(np.zeros if i in zeroed else np.empty)(t.shape, t.dtype) for i, t in enumerate(out_types)]
     args = [_HostArray(np.ascontiguousarray(a)) for a in inputs] + [_HostArray(o) for o in outs]
     run_interpreted(lambda: plan.kernel[plan.grid](**bind(plan, args, scalars)))
     return outs

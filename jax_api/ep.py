@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
 from xkern.ep import check_dispatch, check_topk_range
-from xkern.launch import check_row_count
+from xkern.launch import FLOATS, check_row_count
 from xkern.permute import check_int
 
 
@@ -78,8 +78,9 @@ def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, al
     send_idx = jnp.where((j[None, :] < per_rank[:, None]).reshape(-1),
                          order[jnp.clip(pos, 0, max(num_tokens * top_k - 1, 0))], -1).astype(jnp.int32)
 
-    rows = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, x.shape[1])).reshape(num_tokens * top_k, -1)
-    send = permute_rows(rows, send_idx)  # [world * capacity, H], zero rows past each rank's count
+    # [world * capacity, H] straight from the token rows (slot s reads token send_idx[s] // top_k), zero rows
+    # past each rank's count
+    send = permute_rows(x, send_idx, top_k=top_k)
     recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # block s: from rank s
     recv_counts = jax.lax.all_to_all(counts.reshape(-1), axis_name, 0, 0, tiled=True)  # [s * E_local + e]
 
@@ -94,9 +95,10 @@ def ep_dispatch(x, topk_ids, num_experts: int, axis_name: str, capacity: int, al
 
 
 def ep_combine(expert_out, topk_weights, handle: EPHandle):
-    """`out[t] = sum_k w[t, k] * expert_out[slot of (t, k)]` (zero for dropped rows): [T, H']."""
+    """`out[t] = sum_k w[t, k] * expert_out[slot of (t, k)]` (zero for dropped rows): [T, H'],
+    summed in FP32 and rounded once (the weighted top-k combine of `unpermute_rows`)."""
     num_tokens, top_k = topk_weights.shape
     recv = unpermute_rows(expert_out, handle.permuted_indices, handle.send_indices.shape[0])
     back = jax.lax.all_to_all(recv, handle.axis_name, 0, 0, tiled=True)
-    rows = unpermute_rows(back, handle.send_indices, num_tokens * top_k).reshape(num_tokens, top_k, -1)
-    return (rows * topk_weights.astype(rows.dtype)[..., None]).sum(1)
+    weights = topk_weights if topk_weights.dtype.name in FLOATS else topk_weights.astype(jnp.float32)
+    return unpermute_rows(back, handle.send_indices, num_tokens * top_k, top_k=top_k, probs=weights)

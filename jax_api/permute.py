@@ -102,6 +102,124 @@ def _unpermute_bwd(num_rows, idx, dout):
 _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
+# The top_k / weighted forms (permute from token rows, combine with probs). Each kernel call is a
+# custom_vmap (one launch per example under vmap); each custom_vjp's backward is these same functions, so
+# gradients of any order are too.
+
+
+def _per_example(body, n_out: int):
+    @jax.custom_batching.custom_vmap
+    def op(*args):
+        return body(*args)
+
+    op.def_vmap(lambda axis_size, in_batched, *args: (map_batched(op, axis_size, in_batched, *args),
+                                                      True if n_out == 1 else (True,) * n_out))
+    return op
+
+
+@functools.cache
+def _token_gather_op(top_k: int):
+    def body(x, idx):
+        recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
+        return execute(recipe, x=x, idx=idx)[0]
+
+    return _per_example(body, 1)
+
+
+@functools.cache
+def _combine_op(num_rows: int, top_k: int, weighted: bool):
+    def body(y, idx, *probs):
+        recipe = contract.unpermute_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, y.shape[1],
+                                           idx.dtype.name, top_k, probs[0].dtype.name if weighted else None)
+        return execute(recipe, y=y, idx=idx, **({"probs": probs[0].reshape(-1)} if weighted else {}))[0]
+
+    return _per_example(body, 1)
+
+
+@functools.cache
+def _combine_bwd_op(num_rows: int, top_k: int):
+    def body(dout, y, idx, probs):
+        recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1],
+                                             y.shape[1], top_k, probs.dtype.name)
+        dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
+        return dy, dprobs.reshape(probs.shape)
+
+    return _per_example(body, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _permute_tokens(top_k, num_tokens, x, idx):
+    return vary_like(_token_gather_op(top_k)(x, idx), x)
+
+
+def _permute_tokens_fwd(top_k, num_tokens, x, idx):
+    return _permute_tokens(top_k, num_tokens, x, idx), idx
+
+
+def _permute_tokens_bwd(top_k, num_tokens, idx, dout):
+    return _sum_copies(num_tokens * top_k, top_k, dout, idx), None
+
+
+_permute_tokens.defvjp(_permute_tokens_fwd, _permute_tokens_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sum_copies(num_rows, top_k, y, idx):
+    return vary_like(_combine_op(num_rows, top_k, False)(y, idx), y)
+
+
+def _sum_copies_fwd(num_rows, top_k, y, idx):
+    return _sum_copies(num_rows, top_k, y, idx), idx
+
+
+def _sum_copies_bwd(num_rows, top_k, idx, dout):
+    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None
+
+
+_sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine(num_rows, top_k, y, idx, probs):
+    return vary_like(_combine_op(num_rows, top_k, True)(y, idx, probs), y)
+
+
+def _combine_fwd(num_rows, top_k, y, idx, probs):
+    return _combine(num_rows, top_k, y, idx, probs), (y, idx, probs)
+
+
+def _combine_bwd_rule(num_rows, top_k, res, dout):
+    y, idx, probs = res
+    dy, dprobs = _combine_grads(num_rows, top_k, dout, y, idx, probs)
+    return dy, None, dprobs
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd_rule)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine_grads(num_rows, top_k, dout, y, idx, probs):
+    dy, dprobs = _combine_bwd_op(num_rows, top_k)(dout, y, idx, probs)
+    return vary_like(dy, y), vary_like(dprobs, probs)
+
+
+def _combine_grads_fwd(num_rows, top_k, dout, y, idx, probs):
+    return _combine_grads(num_rows, top_k, dout, y, idx, probs), (dout, y, idx, probs)
+
+
+def _combine_grads_bwd(num_rows, top_k, res, cts):
+    # (dy, dprobs) = F(dout, y, p) is bilinear: dy[s] = p[r] dout[t], dprobs[r] = <y[s], dout[t]>. So
+    # d/d dout = combine(g_dy, p) + combine(y, g_dprobs), and F(dout, g_dy, g_dprobs) = (d/dy, d/dp).
+    dout, y, idx, probs = res
+    g_dy, g_dprobs = cts
+    ddout = _combine(num_rows, top_k, g_dy, idx, probs) + _combine(num_rows, top_k, y, idx, g_dprobs)
+    gy, gprobs = _combine_grads(num_rows, top_k, dout, g_dy, idx, g_dprobs)
+    return ddout, gy, None, gprobs
+
+
+_combine_grads.defvjp(_combine_grads_fwd, _combine_grads_bwd)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Public functions: argument checks, then the kernels.
 
@@ -174,18 +292,26 @@ def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: in
     return tuple(execute(contract.generate_recipe(experts_per_rank, num_ranks, max_len, alignment), counts=counts))
 
 
-def permute_rows(x, permuted_indices, validate: bool = False):
+def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1):
     """`out[i] = x[permuted_indices[i]]`, a zero row where the index is -1: [len(permuted_indices), H].
 
     x: [num_rows, H] float16/bfloat16/float32. permuted_indices: int32/int64, -1 or a row of x.
     Differentiable in x (custom_vjp): dx = dout gathered through the inverse permutation
     (`unpermute_rows`). `validate=True` (concrete indices only) checks the valid entries are a
     one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
+
+    top_k > 1 (MoE dispatch from token rows): x holds one row per token, the indices name routed copies
+    r = t * top_k + j, and slot i reads row permuted_indices[i] // top_k (no [T * top_k, H] copy). dx[t]
+    sums its top_k slot gradients in FP32, rounded once. With top_k, `validate=True` allows dropped copies.
     """
     _check_rows("x", x)
     _check_index("permuted_indices", permuted_indices, like=x)
+    top_k = contract.check_top_k(top_k)
     if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0])
+        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0] * top_k,
+                                   complete=top_k == 1)
+    if top_k > 1:
+        return _permute_tokens(top_k, x.shape[0], x, permuted_indices)
     return _permute(x.shape[0], x, permuted_indices)
 
 
@@ -199,14 +325,28 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
 
 
-def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False):
+def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y
-    (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding)."""
+    (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding).
+
+    The MoE combine (top_k > 1 or probs): num_rows = T * top_k routed copies; the result is [T, H] with
+    `out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]` (p = probs [T, top_k], or 1), in FP32, j in
+    order, rounded once to y's dtype; dropped copies add 0. dy[slot] = p[t, j] * dout[t] in y's dtype,
+    dprobs[t, j] = sum_h y[slot, h] * dout[t, h] in FP32, in probs' dtype (as torch_api.unpermute_rows)."""
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
     num_rows = check_int("num_rows", num_rows)
     contract.check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
-    if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+    top_k = contract.check_top_k(top_k, num_rows)
+    if probs is not None:
+        check_array("probs", probs)
+        contract.check_probs(probs.dtype.name, tuple(probs.shape), num_rows, top_k)
+    if validate:  # the top_k forms allow dropped copies (rows no slot names)
+        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows,
+                                   complete=top_k == 1 and probs is None)
+    if probs is not None:
+        return _combine(num_rows, top_k, y, permuted_indices, probs)
+    if top_k > 1:
+        return _sum_copies(num_rows, top_k, y, permuted_indices)
     return _unpermute(num_rows, y, permuted_indices)

@@ -214,7 +214,63 @@ def _child() -> None:
         assert all(other == ptx for other in jax_ptx), f"gather {n_src}x{h} {dt} compiles differently from JAX"
         assert (".v4." in ptx) == (h % 8 == 0 or dt == "float32" and h % 4 == 0), f"gather {h} {dt}: vector width"
         compared += len(jax_ptx)
+    compared += _compare_moe(checks)
     print(f"identical PTX for {compared} kernel launches (at width 1: the same arithmetic)")
+
+
+def _compare_moe(checks) -> int:
+    """The top_k forms: permute_rows(top_k) and the weighted combine, forward and backward (the combine
+    without probs is permute_rows(top_k)'s backward), from both front ends."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import jax_api
+    from jax_api._launch import gpu_lowering
+    from xkern.permute import plan_combine, plan_combine_bwd, plan_gather_token_rows
+
+    compared = 0
+    S = jax.ShapeDtypeStruct
+    for tokens, top_k, slots, h, dt, p_dt in ((24, 4, 128, 2048, "bfloat16", "float32"),
+                                             (10, 8, 96, 7168, "bfloat16", "bfloat16"),
+                                             (12, 2, 40, 1000, "float32", "float32")):
+        n = tokens * top_k
+
+        def loss(x, y, probs, idx, top_k=top_k, n=n):
+            a = jax_api.permute_rows(x, idx, top_k=top_k).astype(jnp.float32)
+            b = jax_api.unpermute_rows(y, idx, n, top_k=top_k, probs=probs).astype(jnp.float32)
+            return jnp.sum(a) + jnp.sum(b)
+
+        with gpu_lowering():
+            exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                         disabled_checks=checks)(
+                S((tokens, h), jnp.dtype(dt)), S((slots, h), jnp.dtype(dt)), S((tokens, top_k), jnp.dtype(p_dt)),
+                S((slots,), jnp.int32))
+        jax_ptx = _ptx_from_export(exported.mlir_module())
+        meta = lambda shape, d: torch.empty(shape, dtype=getattr(torch, d), device="meta")  # noqa: E731
+        x, y, idx, raw = meta((tokens, h), dt), meta((slots, h), dt), meta((slots,), "int32"), meta((n,), "int32")
+        probs, out_t, out_s = meta((n,), p_dt), meta((tokens, h), dt), meta((slots, h), dt)
+        size = x.element_size()
+        combine = dict(n_tokens=tokens, n_cols=h, n_src_rows=slots, src_row_stride=h, top_k=top_k)
+        ours = [
+            ("_gather_token_rows_kernel", _torch_ptx(plan_gather_token_rows(slots, h, size, h), [x, idx, out_s], dict(
+                n_rows=slots, n_cols=h, n_src_rows=tokens, src_row_stride=h, top_k=top_k))),
+            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, True), [y, raw, idx, probs, out_t],
+                                                combine)),
+            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, False), [y, raw, idx, idx, out_t],
+                                                combine)),
+            ("_combine_bwd_kernel", _torch_ptx(plan_combine_bwd(slots, h, size, h, h), [out_t, y, idx, probs, out_s,
+                                                                                       probs], dict(
+                n_slots=slots, n_cols=h, num_rows=n, dout_row_stride=h, y_row_stride=h, top_k=top_k))),
+        ]
+        what = f"top_k={top_k} {tokens}x{h} {dt}/{p_dt}"
+        for name, ptx in ours:
+            assert ptx in jax_ptx.get(name, []), f"{what}: {name} compiles differently from JAX (or JAX lacks it)"
+            compared += 1
+        for name in ("_gather_token_rows_kernel", "_combine_rows_kernel", "_combine_bwd_kernel"):
+            assert all(other in [p for m, p in ours if m == name] for other in jax_ptx[name]), \
+                f"{what}: JAX launches a {name} torch does not"
+    return compared
 
 
 @pytest.mark.slow  # ~50 s on 2 cores: every RMSNorm launch compiled twice for sm_90

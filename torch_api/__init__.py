@@ -6,6 +6,7 @@ from torch_api.add_rms_norm import add_rms_norm
 from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.hf import fuse_residual_norms, patch_hf_classes, replace_rms_norm, unpatch_hf_classes
+from torch_api.hf_moe import register_xkern_experts, use_xkern_experts
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
 from torch_api.rms_norm import RMSNorm, rms_norm
 
@@ -24,8 +25,10 @@ __all__ = [
     "inverse_permutation",
     "patch_hf_classes",
     "permute_rows",
+    "register_xkern_experts",
     "replace_rms_norm",
     "rms_norm",
     "unpatch_hf_classes",
     "unpermute_rows",
+    "use_xkern_experts",
 ]

@@ -9,8 +9,8 @@ Dispatch: the T*K (token, k) assignments are sorted by destination expert (a sta
 destination rank-major, then expert, then (t, k) order), the per-expert counts go out with one
 `all_to_all_single`, the rows follow with another, and the received rows (source rank-major, then
 expert) are laid out expert-major and padded with `generate_permute_indices` + `permute_rows`. Combine
-runs the same steps backwards with `unpermute_rows` and the reverse all-to-all, then weights and sums
-the K rows of each token.
+runs the same steps backwards with `unpermute_rows` and the reverse all-to-all, the last of them the
+weighted top-k combine (`unpermute_rows(..., top_k=K, probs=topk_weights)`, FP32).
 
 Host syncs: one per dispatch, the `.tolist()` of the sent and received counts, because the row
 all-to-all needs its split sizes on the host (and the padded buffer its length). Combine has none.
@@ -40,6 +40,9 @@ class EPHandle:
     num_tokens: int
     top_k: int
     group: object = None
+
+
+_PROBS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -104,10 +107,9 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group
     per_expert = [sum(recv_host[r * experts_local + e] for r in range(world)) for e in range(experts_local)]
     max_len = sum(-(-max(n, alignment) // alignment) * alignment for n in per_expert)
 
-    # One row per (t, k) assignment, then in send order: a true permutation, so permute_rows' backward
-    # (a gather through the inverse) is exact and the expand's backward sums the K copies.
-    rows = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, x.shape[1])
-    send = permute_rows(rows, order)
+    # Straight from the token rows: send slot s reads token order[s] // top_k (no [T * K, H] copy); the
+    # backward sums each token's K row gradients in FP32.
+    send = permute_rows(x, order, top_k=top_k)
     recv = _AllToAllRows.apply(send, recv_splits, send_splits, group)
     idx, m_sizes, m_offsets = generate_permute_indices(recv_counts, experts_local, world, max_len, alignment)
     xp = permute_rows(recv, idx)
@@ -119,13 +121,15 @@ def ep_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: EPH
     """Return expert outputs to their tokens: `out[t] = sum_k w[t, k] * expert_out[slot of (t, k)]`.
 
     expert_out: [max_len, H'] in the layout `ep_dispatch` returned (padding rows are never read).
-    topk_weights: [T, K]. Returns [T, H'] in expert_out's dtype. No host sync.
+    topk_weights: [T, K] (float64 is taken as float32). Returns [T, H'] in expert_out's dtype, summed in
+    FP32 and rounded once. No host sync.
     """
     h = handle
     if topk_weights.shape != (h.num_tokens, h.top_k):
         raise ValueError(f"topk_weights must be [{h.num_tokens}, {h.top_k}], got {list(topk_weights.shape)}")
     recv = unpermute_rows(expert_out, h.permuted_indices, sum(h.recv_splits))
     back = _AllToAllRows.apply(recv, h.send_splits, h.recv_splits, h.group)
-    rows = unpermute_rows(back, h.order, h.num_tokens * h.top_k)  # (t, k) order
-    rows = rows.view(h.num_tokens, h.top_k, expert_out.shape[1])
-    return (rows * topk_weights.to(rows.dtype).unsqueeze(-1)).sum(1)
+    # The weighted combine: FP32 sum of the K weighted rows in k order, rounded once; the weights'
+    # gradient comes from the same kernel family (no atomics).
+    weights = topk_weights if topk_weights.dtype in _PROBS_DTYPES else topk_weights.float()
+    return unpermute_rows(back, h.order, h.num_tokens * h.top_k, top_k=h.top_k, probs=weights)

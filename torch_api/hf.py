@@ -268,13 +268,18 @@ def _is_unpatched(m: torch.nn.Module) -> bool:
     return getattr(type(m), "forward", None) is not _class_forward and _is_unset(m, "forward")
 
 
-def replace_rms_norm(model: torch.nn.Module, *, fuse_residual: bool = False) -> int:
+def replace_rms_norm(model: torch.nn.Module, *, fuse_residual: bool = False, experts: bool = False) -> int:
     """Route the forward of every module of `model` whose class computes one of the math xkern computes
     (`norm_math`) through `torch_api.rms_norm`; returns how many modules were patched (0 on a second call,
-    and for modules whose class `patch_hf_classes` patched). `fuse_residual` (opt-in): also
-    `fuse_residual_norms(model)` (its layers are not counted)."""
+    and for modules whose class `patch_hf_classes` patched). Opt-in: `fuse_residual` also
+    `fuse_residual_norms(model)` (its layers are not counted); `experts=True` also routes the model's MoE
+    experts modules through xkern's dispatch and weighted combine (`torch_api.hf_moe.use_xkern_experts`)."""
     if fuse_residual:
         fuse_residual_norms(model)
+    if experts:
+        from torch_api.hf_moe import use_xkern_experts
+
+        use_xkern_experts(model)
     n = 0
     for m in model.modules():
         math = norm_math(type(m))
@@ -304,12 +309,18 @@ def _class_extra_repr(self) -> str:
     return ", ".join(s for s in (base, None if math is None else f"xkern={math.variant}") if s)
 
 
-def patch_hf_classes(*model_types: str, fuse_residual: bool = False) -> list[type]:
+def patch_hf_classes(*model_types: str, fuse_residual: bool = False, experts: bool = False) -> list[type]:
     """Patch the classes of `hf_norm_classes(*model_types)` whose math xkern computes, so that every model
     built afterwards (`from_pretrained`, `from_config`, direct construction) runs its norms through xkern.
-    `fuse_residual` (opt-in): also the decoder layer classes of those models that are the Llama layer
-    (`fused_layer_forward`: the add before `post_attention_layernorm` fused into it). Idempotent; returns
-    the classes this call patched. `unpatch_hf_classes()` undoes it."""
+    Idempotent; returns the classes this call patched. `unpatch_hf_classes()` undoes it. Opt-in:
+    `fuse_residual` also patches the decoder layer classes of those models that are the Llama layer
+    (`fused_layer_forward`: the add before `post_attention_layernorm` fused into it); `experts=True` also
+    registers "xkern" as a transformers experts implementation, which a model then takes with
+    `from_pretrained(..., experts_implementation="xkern")` (or `use_xkern_experts(model)` after building)."""
+    if experts:
+        from torch_api.hf_moe import register_xkern_experts
+
+        register_xkern_experts()
     patched = []
     if fuse_residual:
         for cls in _modeling_classes(model_types, DECODER_LAYER_NAME):

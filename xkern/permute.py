@@ -23,6 +23,13 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _inverse_search_kernel, and _gather_rows_kernel with BLOCK_S  the same two ops in one launch for up to
                            ONE_LAUNCH_SLOTS slots (`one_launch`): each program finds its rows' slots by
                            scanning all of idx (work rows x slots; saves a launch where the call is host-bound).
+  _gather_token_rows_kernel  permute_rows with top_k: slot s reads token idx[s] // top_k (x keeps one row per
+                           token; no [T * top_k, H] copy);
+  _combine_rows_kernel     unpermute_rows with top_k or probs: out[t] = sum_j p[t, j] * y[slot of t * top_k + j]
+                           in FP32, j in order, rounded once, slots through the raw scatter settled on the fly
+                           (after _scatter_inverse_kernel: two launches); also permute_rows(top_k)'s backward;
+  _combine_bwd_kernel      the weighted combine's backward, per slot: dy[s] = p * dout[t] and dprobs[r] =
+                           sum_h y[s, h] * dout[t, h] (FP32) from one read of each row, no atomics;
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
   _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
@@ -30,6 +37,7 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -121,6 +129,93 @@ def _gather_settled_rows_kernel(
     back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
     hit = ok & (back == rows.to(tl.int64))
     _copy_rows(SRC, OUT, slot, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride", "top_k"])
+def _gather_token_rows_kernel(
+    SRC, IDX,
+    n_rows, n_cols, n_src_rows, src_row_stride, top_k,
+    OUT,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # permute_rows(top_k): slot s holds routed copy r = idx[s] = t * top_k + j, read from token row t of SRC.
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    copy = tl.load(IDX + rows, mask=row_mask, other=-1).to(tl.int64)
+    hit = (copy >= 0) & (copy < n_src_rows.to(tl.int64) * top_k)
+    src = tl.where(hit, copy // top_k, 0)
+    _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_src_rows", "src_row_stride", "top_k"])
+def _combine_rows_kernel(
+    SRC, RAW, IDX, PROBS,
+    n_tokens, n_cols, n_src_rows, src_row_stride, top_k,
+    OUT,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, HAS_PROBS: tl.constexpr,
+):
+    # out[t] = sum_j p[t, j] * SRC[slot of copy t * top_k + j], FP32 in j order, one rounding. The slot is
+    # RAW[copy] (`_scatter_inverse_kernel`'s output) if IDX names the copy there, as in
+    # _gather_settled_rows_kernel: a dropped copy (no slot) adds 0. Without HAS_PROBS, p = 1 (PROBS unread).
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_mask = tokens < n_tokens
+    first = tokens.to(tl.int64) * top_k
+    out_ptr = OUT + tokens.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        col_mask = (cols < n_cols)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+        for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
+            copy = first + j
+            slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+            ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
+            hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+            vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
+                           other=0.0).to(tl.float32)
+            if HAS_PROBS:
+                vals = vals * tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)[:, None]
+            acc += vals
+        tl.store(out_ptr + cols[None, :], acc.to(OUT.dtype.element_ty), mask=tok_mask[:, None] & col_mask)
+
+
+@triton.jit(do_not_specialize=["n_slots", "n_cols", "num_rows", "dout_row_stride", "y_row_stride", "top_k"])
+def _combine_bwd_kernel(
+    DOUT, Y, IDX, PROBS,
+    n_slots, n_cols, num_rows, dout_row_stride, y_row_stride, top_k,
+    DY, DPROBS,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # Slot s holds copy r = IDX[s] of token t = r // top_k: DY[s] = p[r] * DOUT[t] (a zero row at padding),
+    # DPROBS[r] = sum_h Y[s, h] * DOUT[t, h] in FP32. Each copy has one slot, so the DPROBS stores never meet
+    # (no atomics); DPROBS arrives zero-filled, which leaves 0 for dropped copies.
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    dout_row_stride = dout_row_stride // ROW_ALIGN * ROW_ALIGN
+    y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
+    slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot_mask = slots < n_slots
+    copy = tl.load(IDX + slots, mask=slot_mask, other=-1).to(tl.int64)
+    hit = (copy >= 0) & (copy < num_rows)
+    token = tl.where(hit, copy // top_k, 0)
+    p = tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)
+    dout_ptr = DOUT + token[:, None] * dout_row_stride
+    y_ptr = Y + slots.to(tl.int64)[:, None] * y_row_stride
+    dy_ptr = DY + slots.to(tl.int64)[:, None] * n_cols
+    dot = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, n_cols, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        col_mask = (cols < n_cols)[None, :]
+        d = tl.load(dout_ptr + cols[None, :], mask=hit[:, None] & col_mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + cols[None, :], mask=hit[:, None] & col_mask, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + cols[None, :], (d * p[:, None]).to(DY.dtype.element_ty), mask=slot_mask[:, None] & col_mask)
+        dot += tl.sum(y * d, axis=1)
+    tl.store(DPROBS + copy, dot.to(DPROBS.dtype.element_ty), mask=hit)
 
 
 @triton.jit
@@ -270,9 +365,7 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
     (`one_launch`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
     src's last dim contiguous (its row stride defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
-    block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
-    block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
-    num_warps = max(1, min(8, block_m * block_h * elem_size // 2048))
+    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
     constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
     if settled:
         return Launch(_gather_settled_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
@@ -280,6 +373,40 @@ def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: i
         block_m, num_warps = min(block_m, SEARCH_ROWS), max(num_warps, 4)
     constexprs.update(BLOCK_M=block_m, BLOCK_S=_search_block(block_m, num_warps) if search else 0)
     return Launch(_gather_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+
+
+def _row_tile(n_cols: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_H, num_warps) of the row kernels: TILE_BYTES per loop step, ROW_CHUNK_BYTES per row."""
+    block_h = min(next_pow2(n_cols), ROW_CHUNK_BYTES // elem_size)
+    block_m = min(MAX_BLOCK_M, TILE_BYTES // (block_h * elem_size))
+    return block_m, block_h, max(1, min(8, block_m * block_h * elem_size // 2048))
+
+
+def plan_gather_token_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int) -> Launch:
+    """permute_rows(top_k > 1): arrays `(src, idx, out)`, scalars `n_rows, n_cols, n_src_rows, src_row_stride,
+    top_k`; the tile of `plan_gather_rows`."""
+    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
+    return Launch(_gather_token_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h})
+
+
+def plan_combine(n_tokens: int, n_cols: int, elem_size: int, src_row_stride: int, has_probs: bool) -> Launch:
+    """The weighted combine: arrays `(src, raw, idx, probs, out)` (probs: idx again without probs), scalars
+    `n_tokens, n_cols, n_src_rows, src_row_stride, top_k`; BLOCK_M tokens per program, each summing its
+    top_k slot rows chunk by chunk into an FP32 tile (the gather's tile: 8 x 1024 for bf16)."""
+    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
+    return Launch(_combine_rows_kernel, (max(1, cdiv(n_tokens, block_m)),), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h,
+                   "HAS_PROBS": has_probs})
+
+
+def plan_combine_bwd(n_slots: int, n_cols: int, elem_size: int, dout_row_stride: int, y_row_stride: int) -> Launch:
+    """The weighted combine's backward: arrays `(dout, y, idx, probs, dy, dprobs)`, scalars `n_slots, n_cols,
+    num_rows, dout_row_stride, y_row_stride, top_k`; BLOCK_M slots per program."""
+    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
+    return Launch(_combine_bwd_kernel, (max(1, cdiv(n_slots, block_m)),), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols, dout_row_stride, y_row_stride), "BLOCK_M": block_m,
+                   "BLOCK_H": block_h})
 
 
 def _search_block(rows: int, num_warps: int) -> int:
@@ -348,6 +475,21 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                     variants.append((plan, sig))
                     variants.append((settled, {**sig, "RAW": index}))
                     variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
+    for elem_size, dtypes in ptr.items():  # the top_k forms: the narrowest, a middle and the chunked tiles
+        for n_cols in (1, 16, 128, 1000, 7168):
+            token = plan_gather_token_rows(1024, n_cols, elem_size, n_cols)
+            bwd = plan_combine_bwd(1024, n_cols, elem_size, n_cols, n_cols)
+            for dtype in dtypes:
+                for index in ("*i32", "*i64"):
+                    rows = {"IDX": index, "n_cols": "i32", "src_row_stride": "i64"}
+                    variants.append((token, {"SRC": dtype, "OUT": dtype, **rows}))
+                    for probs in (None, "*fp32", "*bf16"):
+                        combine = plan_combine(1024, n_cols, elem_size, n_cols, probs is not None)
+                        variants.append((combine, {"SRC": dtype, "OUT": dtype, "RAW": index, "PROBS": probs or index,
+                                                   **rows}))
+                        if probs:
+                            variants.append((bwd, {"DOUT": dtype, "Y": dtype, "DY": dtype, "IDX": index,
+                                                   "PROBS": probs, "DPROBS": probs}))
     for index in ("*i32", "*i64"):
         scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
         (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
@@ -407,6 +549,22 @@ def layout_ints(experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, i
     """generate_permute_indices' integer arguments as Python ints (`check_int`: the front ends' door)."""
     return (check_int("experts_per_rank", experts_per_rank, 1), check_int("num_ranks", num_ranks, 1),
             check_int("max_len", max_len), check_int("alignment", alignment, 1))
+def check_top_k(top_k, num_rows: int | None = None) -> int:
+    """top_k as an int >= 1; with `num_rows` (unpermute_rows' routed copies), a multiple of it."""
+    top_k = check_int("top_k", top_k, 1)
+    if num_rows is not None and num_rows % top_k:
+        raise ValueError(f"num_rows must be a multiple of top_k={top_k} (num_tokens * top_k routed copies), "
+                         f"got {num_rows}")
+    return top_k
+
+
+def check_probs(dtype: str, shape: tuple[int, ...], num_rows: int, top_k: int) -> None:
+    """probs: [num_rows // top_k, top_k], a float dtype (the routing weights of each token's copies)."""
+    if dtype not in FLOATS:
+        raise TypeError(f"probs must be float16, bfloat16 or float32, got {dtype}")
+    if tuple(shape) != (num_rows // top_k, top_k):
+        raise ValueError(f"probs must be [num_rows // top_k, top_k] = [{num_rows // top_k}, {top_k}], got "
+                         f"{list(shape)}")
 
 
 def check_layout(n_counts: int, experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
@@ -461,11 +619,21 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
-def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int) -> Recipe:
+def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int,
+                   top_k: int = 1) -> Recipe:
     """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots];
-    result out [n_slots, n_cols] contiguous."""
+    result out [n_slots, n_cols] contiguous. With top_k > 1, x holds one row per token and idx names routed
+    copies (slot s reads row idx[s] // top_k)."""
     check_gather_sizes(n_slots)
-    return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
+    if top_k == 1:
+        return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
+    check_row_count("x", n_src_rows * top_k, "routed copies (rows x top_k)")
+    if n_slots * n_cols == 0 or n_src_rows == 0:
+        return Recipe((Step(None, (), (Buffer("out", (n_slots, n_cols), dtype, fill=0),)),), ("out",))
+    plan = plan_gather_token_rows(n_slots, n_cols, ITEMSIZE[dtype], src_row_stride)
+    return Recipe((Step(plan, ("x", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
+                        dict(n_rows=n_slots, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride,
+                             top_k=top_k)),), ("out",))
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
@@ -477,11 +645,14 @@ def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
 
 @functools.lru_cache(maxsize=4096, typed=True)
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
-                     index_dtype: str) -> Recipe:
+                     index_dtype: str, top_k: int = 1, probs_dtype: str | None = None) -> Recipe:
     """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
     n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there); or,
-    when `one_launch(n_slots)`, one launch."""
+    when `one_launch(n_slots)`, one launch. With top_k > 1 or probs (input probs [num_rows], flat), the
+    weighted combine: out [num_rows // top_k, n_cols], the raw scatter then `_combine_rows_kernel`."""
     check_gather_sizes(n_slots, num_rows)
+    if top_k > 1 or probs_dtype is not None:
+        return _combine_recipe(n_slots, n_cols, num_rows, dtype, src_row_stride, index_dtype, top_k, probs_dtype)
     if one_launch(n_slots):
         return Recipe(_gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride,
                                     search=True), ("out",))
@@ -489,6 +660,37 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
     if gather[0].launch is None:  # nothing to read: zero rows, no scatter
         return Recipe(gather, ("out",))
     return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), *gather), ("out",))
+
+
+def _combine_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int, index_dtype: str,
+                    top_k: int, probs_dtype: str | None) -> Recipe:
+    n_tokens = num_rows // top_k
+    out = Buffer("out", (n_tokens, n_cols), dtype)
+    if n_tokens * n_cols == 0 or n_slots == 0:  # nothing to read: zero rows
+        return Recipe((Step(None, (), (dataclasses.replace(out, fill=0),)),), ("out",))
+    plan = plan_combine(n_tokens, n_cols, ITEMSIZE[dtype], src_row_stride, probs_dtype is not None)
+    combine = Step(plan, ("y", "raw", "idx", "idx" if probs_dtype is None else "probs"), (out,),
+                   dict(n_tokens=n_tokens, n_cols=n_cols, n_src_rows=n_slots, src_row_stride=src_row_stride,
+                        top_k=top_k))
+    return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), combine), ("out",))
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def combine_bwd_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dout_row_stride: int,
+                       y_row_stride: int, top_k: int, probs_dtype: str) -> Recipe:
+    """The weighted combine's backward. Inputs dout [num_rows // top_k, n_cols], y [n_slots, n_cols] (rows
+    `*_row_stride` apart, last dim contiguous), idx [n_slots], probs [num_rows] (flat); results dy [n_slots,
+    n_cols] (y's dtype: p * dout[t] rounded once, zero rows at padding) and dprobs [num_rows] (probs' dtype:
+    sum_h y[slot, h] * dout[t, h] in FP32, zero for dropped copies)."""
+    check_gather_sizes(n_slots, num_rows)
+    dy = Buffer("dy", (n_slots, n_cols), dtype)
+    dprobs = Buffer("dprobs", (num_rows,), probs_dtype, fill=0)
+    if n_slots * n_cols == 0 or num_rows == 0:  # no copy has a slot with anything to read
+        return Recipe((Step(None, (), (dataclasses.replace(dy, fill=0), dprobs)),), ("dy", "dprobs"))
+    plan = plan_combine_bwd(n_slots, n_cols, ITEMSIZE[dtype], dout_row_stride, y_row_stride)
+    return Recipe((Step(plan, ("dout", "y", "idx", "probs"), (dy, dprobs),
+                        dict(n_slots=n_slots, n_cols=n_cols, num_rows=num_rows, dout_row_stride=dout_row_stride,
+                             y_row_stride=y_row_stride, top_k=top_k)),), ("dy", "dprobs"))
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
@@ -519,9 +721,10 @@ def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignme
 # Host-side checks (validate=True), shared by both front ends.
 
 
-def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indices") -> None:
+def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indices", complete: bool = True) -> None:
     """Raise ValueError unless the entries of `idx` other than -1 map one-to-one onto 0..num_rows-1,
-    naming the first out-of-range, duplicate or missing index."""
+    naming the first out-of-range, duplicate or missing index. `complete=False` (the top_k forms, whose
+    dropped copies name no slot) lets rows go unnamed."""
     idx = np.asarray(idx).astype(np.int64).reshape(-1)
     bad = np.flatnonzero((idx < -1) | (idx >= num_rows))
     if bad.size:
@@ -535,7 +738,7 @@ def check_permutation(idx: np.ndarray, num_rows: int, name: str = "permuted_indi
     if dup.size:
         first, second = sorted(int(slots[order[j]]) for j in (dup[0], dup[0] + 1))
         raise ValueError(f"{name} names row {int(rows[order][dup[0]])} twice: at slots {first} and {second}")
-    if rows.size != num_rows:
+    if complete and rows.size != num_rows:
         seen = np.zeros(num_rows, bool)
         seen[rows] = True
         missing = int(np.flatnonzero(~seen)[0])

@@ -250,3 +250,51 @@ def inverse_permutation(idx, num_rows: int) -> np.ndarray:
 def unpermute_rows(y: np.ndarray, idx, num_rows: int) -> np.ndarray:
     """out[r] = y[inv[r]], a +0.0 row for rows no slot names; padding rows of y are never read."""
     return permute_rows(y, inverse_permutation(idx, num_rows))
+
+
+def permute_token_rows(x: np.ndarray, idx, top_k: int) -> np.ndarray:
+    """permute_rows(top_k): out[i] = x[idx[i] // top_k] (routed copy r = t * top_k + j reads token t), a +0.0
+    row where idx[i] == -1."""
+    out = np.zeros((len(idx), x.shape[1]), x.dtype)
+    for i, r in enumerate(np.asarray(idx)):
+        if r >= 0:
+            out[i] = x[r // top_k]
+    return out
+
+
+def combine_rows(y: np.ndarray, idx, num_rows: int, top_k: int = 1, probs=None) -> np.ndarray:
+    """unpermute_rows(top_k, probs) in float64: out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]
+    (p = 1 without probs; a dropped copy adds 0): [num_rows // top_k, H]. The kernel sums in FP32 and rounds
+    once: compare with `combine_tolerance`."""
+    y64 = np.asarray(y, np.float64)
+    p = np.ones(num_rows) if probs is None else np.asarray(probs, np.float64).reshape(-1)
+    out = np.zeros((num_rows // top_k, y.shape[1]))
+    for s, r in enumerate(np.asarray(idx)):
+        if r >= 0:
+            out[r // top_k] += p[r] * y64[s]
+    return out
+
+
+def combine_rows_bwd(dout: np.ndarray, y: np.ndarray, idx, num_rows: int, top_k: int, probs=None,
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted combine's gradients in float64: dy[s] = p[r] * dout[r // top_k] for the copy r = idx[s]
+    (zero rows at padding), and dprobs[t, j] = sum_h y[slot of r, h] * dout[t, h] (0 for dropped copies)."""
+    d64, y64 = np.asarray(dout, np.float64), np.asarray(y, np.float64)
+    p = np.ones(num_rows) if probs is None else np.asarray(probs, np.float64).reshape(-1)
+    dy = np.zeros(y.shape)
+    dprobs = np.zeros(num_rows)
+    for s, r in enumerate(np.asarray(idx)):
+        if r >= 0:
+            dy[s] = p[r] * d64[r // top_k]
+            dprobs[r] = y64[s] @ d64[r // top_k]
+    return dy, dprobs.reshape(num_rows // top_k, top_k)
+
+
+def combine_tolerance(terms_abs: np.ndarray, n_terms: int, dtype) -> np.ndarray:
+    """Allowed |kernel - float64| for a sum of `n_terms` products accumulated in FP32 and rounded once to
+    `dtype`: n_terms * 2**-24 * sum|terms| (FP32 rounding of each product and partial sum) plus one ULP of
+    `dtype` at that magnitude (the final rounding, and double rounding of the FP32 sum)."""
+    mant = {"bfloat16": 8, "float16": 11, "float32": 24}[np_dtype(dtype).name if np_dtype(dtype) != BF16
+                                                        else "bfloat16"]
+    tiny = float(np.finfo(np.float32).tiny) if mant == 24 else 2.0**-24
+    return (n_terms + 1) * 2.0**-24 * terms_abs + 2.0 ** (1 - mant) * terms_abs + tiny

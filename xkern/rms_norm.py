@@ -1185,7 +1185,7 @@ def check_add_rms_norm(x_dtype: str, x_shape: tuple[int, ...], r_dtype: str, r_s
     return y_dtype, residual_dtype, variant
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def add_rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, r_dtype: str, w_dtype: str | None,
                             res_dtype: str, x_row_stride: int | None = None, r_row_stride: int | None = None,
                             variant: str = "llama") -> Recipe:
@@ -1207,7 +1207,7 @@ def add_rms_norm_fwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, 
                   ("y", "residual_out"))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)
 def add_rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dtype: str | None,
                             res_dtype: str, has_dres: bool, res_row_stride: int | None = None,
                             dy_row_stride: int | None = None, dres_row_stride: int | None = None,
