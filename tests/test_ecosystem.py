@@ -18,7 +18,7 @@ import torch
 from helpers import DEVICE, rand, same_bits, to_numpy, to_torch
 
 import jax_api
-import torch_api  # noqa: F401  (registers the xkern ops)
+import torch_api
 from xkern import reference as R
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,12 +77,18 @@ def test_readme_first_call_and_moe_gathers():
     want_dx, want_dw, dw_tol = R.rms_norm_bwd(x, w, np.ones_like(y), EPS)
     R.check(to_numpy(ns["x"].grad), want_dx, "dx")
     R.check(to_numpy(ns["w"].grad), want_dw, "dw", abs_ok=dw_tol)
+    r = ns["x"].detach() * 3  # 3x rounded once, as x + 2x is (2x is exact)
+    assert torch.equal(ns["r"], ns["x"] + 2 * ns["x"]) and torch.equal(ns["h"], torch_api.rms_norm(r, ns["w"], EPS))
     ns = {}
     exec(_readme_blocks()[3], ns)
     assert ns["m_sizes"].tolist() == [4, 8] and ns["m_offsets"].tolist() == [4, 12]
     idx = ns["idx"].tolist()
     assert sorted(i for i in idx if i >= 0) == list(range(6)) and idx.count(-1) == 10
-    assert torch.equal(ns["y"], 2 * ns["x"]) and not ns["xp"][torch.tensor(idx) < 0].any()
+    assert torch.equal(ns["y"], 2 * ns["x"])
+    tokens, probs, out = ns["tokens"], ns["probs"], ns["out"]
+    want = (probs.double().sum(1, keepdim=True) * 2 * tokens.double()).float()  # each token's 2 copies alike
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert not ns["xp"][torch.tensor(idx) < 0].any()
 
 
 def _rms_inputs(shape=(3, 8), dtype="float32"):
