@@ -131,15 +131,23 @@ def jax_block_table(device: str, log) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m benchmarks.jax_block [--out DIR]: rows printed, and into DIR if given
+    import argparse
     import json
-    import sys
+    import os
 
-    try:
-        import torch
+    from benchmarks.main import GPU, commit, gpu_kind  # noqa: I001 - first: sets the platform env on CPU
 
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        dev = "cpu"
-    timing.set_smoke(dev == "cpu")
-    print(json.dumps(jax_block_table(dev, lambda m: print(m, file=sys.stderr)), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="directory for <gpu kind>-jax-block.json")
+    args = parser.parse_args()
+    import torch
+
+    dev = "cuda" if GPU else "cpu"
+    timing.set_smoke(not GPU)
+    gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
+    rows = jax_block_table(dev, print)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, gpu_kind(gpu) + "-jax-block.json"), "w") as f:
+            json.dump({"gpu": gpu, "commit": commit(), "smoke": timing.smoke(), "rows": rows}, f, indent=1)

@@ -42,8 +42,7 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
                       ("inverse_permutation", "fwd"), ("generate_permute_indices", "fwd")}
     assert "its floor" in path.with_suffix(".md").read_text()
     assert sum("wall_us" in b for b in results["block"]) == 6  # eager and compile, three norms (graphs need CUDA)
-    fused = [r for r in results["add_rms_norm"] if r["impl"].startswith("xkern")]
-    assert fused and all(r["check"] == "pass" and r["us"] for r in fused)
+    assert results["add_rms_norm"] == []  # its own run (`--only add_rms_norm`, test_add_rms_norm_table_runs_every_path)
     forms = {(r["framework"], r["form"]) for r in results["sharded"] if "device_us" in r}
     assert len(forms) == 7 and all(r["bitwise_equal_plain"] for r in results["sharded"] if "width" not in r["form"])
     md = path.with_suffix(".md").read_text()
@@ -303,3 +302,16 @@ def test_add_rms_norm_table_runs_every_path():
     ran = {r["impl"] for r in rows if r.get("us")}
     assert {"HF eager", "torch.compile", "torch.compile (xkern norm, fusion pass)", "jax.jit (XLA)"} <= ran
     assert "add_rms_norm" in markdown(rows)
+
+
+def test_jax_block_checks_and_times_both_norms():
+    """`benchmarks.jax_block` at its CPU size: xkern's block checked against the jnp block, both steps timed."""
+    from benchmarks import jax_block, timing
+
+    timing.set_smoke(True)
+    try:
+        rows = jax_block.jax_block_table(DEVICE, lambda line: None)
+    finally:
+        timing.set_smoke(False)
+    assert [r["norm"] for r in rows] == list(jax_block.NORMS)
+    assert all(r["check"].startswith("outputs agree") and r["device_us"] > 0 for r in rows), rows

@@ -83,8 +83,10 @@ def test_cuda_graph_capture_moe_dispatch_combine():
         out = torch_api.unpermute_rows(xp * 2, idx, n, top_k=top_k, probs=probs)
         return (out, *torch.autograd.grad(out, (x, probs), dout))
 
+    eager = step(*[t.clone().requires_grad_() for t in (x, probs)])
+    # Leaves of their own, first used on the side stream: a leaf's gradient node keeps the stream of its first
+    # use, and one from the legacy stream makes the capture wait on it (cudaErrorStreamCaptureImplicit).
     leaves = [t.clone().requires_grad_() for t in (x, probs)]
-    eager = step(*leaves)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -176,8 +178,8 @@ def test_add_rms_norm_cuda_graph_and_inductor_fusion():
         y, s = torch_api.add_rms_norm(x, r, w)
         return (y, s, *torch.autograd.grad((y, s), (x, r, w), (dy, ds)))
 
-    leaves = [a.clone().requires_grad_() for a in (x, r, w)]
-    eager = step(*leaves)
+    eager = step(*[a.clone().requires_grad_() for a in (x, r, w)])
+    leaves = [a.clone().requires_grad_() for a in (x, r, w)]  # first used on the side stream (see above)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -164,9 +164,10 @@ def test_every_output_element_is_written():
 
 def _ref_combine(y, idx, n, k, probs):
     """The combine in plain torch (float64 inputs give the float64 truth of any derivative order)."""
+    idx = idx.to(y.device)
     valid = idx >= 0
     rows = y[valid] * probs.reshape(-1)[idx[valid]][:, None]
-    return torch.zeros(n // k, y.shape[1], dtype=y.dtype).index_add(0, idx[valid] // k, rows)
+    return torch.zeros(n // k, y.shape[1], dtype=y.dtype, device=y.device).index_add(0, idx[valid] // k, rows)
 
 
 def test_double_backward_against_float64_autograd():
@@ -251,7 +252,7 @@ def test_empty_and_zero_width():
     top_k = 2
     for tokens, hidden in ((0, 8), (3, 0)):
         idx = torch.full((6,), -1, dtype=torch.int32, device=DEVICE)
-        idx[:tokens * top_k] = torch.arange(tokens * top_k, dtype=torch.int32)
+        idx[:tokens * top_k] = torch.arange(tokens * top_k, dtype=torch.int32, device=DEVICE)
         x = torch.ones(tokens, hidden, device=DEVICE, requires_grad=True)
         assert torch_api.permute_rows(x, idx, top_k=2).shape == (6, hidden)
         y = torch.ones(6, hidden, device=DEVICE, requires_grad=True)

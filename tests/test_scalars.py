@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("front_end", ["torch", "jax"])
 def test_odd_scalar_first_then_plain_in_a_fresh_process(front_end):
     """tests/scalars_fresh.py: each odd type, then the plain value, in a process that has not seen the call."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # a GPU run's wheels too
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "scalars_fresh.py"), front_end], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=600)
     ok = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
     assert run.returncode == 0 and len(ok) >= 5 and "FAILED" not in run.stdout, run.stdout + run.stderr[-4000:]
 

@@ -52,7 +52,7 @@ def xkern_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
     biases = self.down_proj_bias[clamped] if self.has_bias else None
     out = _grouped_linear(out, self.down_proj, offsets, bias=biases, is_transposed=self.is_transposed)
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # transformers 5.x releases before it lack the flag
         out = self.post_expert_norm(out)
     # Rows past offsets[-1] (sentinels) are whatever the GEMM left there: idx never names them.
     probs = top_k_weights if top_k_weights.dtype in _FLOATS else top_k_weights.float()
