@@ -72,21 +72,13 @@ def _moe_inputs(tokens=3000, top_k=8, experts=64, hidden=2048):
     return idx, x, probs, torch.randn_like(x)
 
 
-def test_cuda_graph_capture_moe_dispatch_combine():
-    """permute_rows(top_k) and the weighted combine, forward and backward, captured: no host sync; replays
-    bit for bit equal to eager."""
-    idx, x, probs, dout = _moe_inputs()
-    top_k, n = probs.shape[1], probs.numel()
-
-    def step(x, probs):
-        xp = torch_api.permute_rows(x, idx, top_k=top_k)
-        out = torch_api.unpermute_rows(xp * 2, idx, n, top_k=top_k, probs=probs)
-        return (out, *torch.autograd.grad(out, (x, probs), dout))
-
-    eager = step(*[t.clone().requires_grad_() for t in (x, probs)])
-    # Leaves of their own, first used on the side stream: a leaf's gradient node keeps the stream of its first
-    # use, and one from the legacy stream makes the capture wait on it (cudaErrorStreamCaptureImplicit).
-    leaves = [t.clone().requires_grad_() for t in (x, probs)]
+def _captured_and_eager(step, inputs):
+    """`step` on leaves cloned from `inputs`: once eagerly, and captured in a CUDA graph replayed twice.
+    The captured call's leaves are its own, first used on the side stream: a leaf's gradient node keeps the
+    stream of its first use, and one from the legacy stream makes the capture wait on it
+    (cudaErrorStreamCaptureImplicit)."""
+    eager = step(*[t.clone().requires_grad_() for t in inputs])
+    leaves = [t.clone().requires_grad_() for t in inputs]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -98,6 +90,21 @@ def test_cuda_graph_capture_moe_dispatch_combine():
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
+    return captured, eager
+
+
+def test_cuda_graph_capture_moe_dispatch_combine():
+    """permute_rows(top_k) and the weighted combine, forward and backward, captured: no host sync; replays
+    bit for bit equal to eager."""
+    idx, x, probs, dout = _moe_inputs()
+    top_k, n = probs.shape[1], probs.numel()
+
+    def step(x, probs):
+        xp = torch_api.permute_rows(x, idx, top_k=top_k)
+        out = torch_api.unpermute_rows(xp * 2, idx, n, top_k=top_k, probs=probs)
+        return (out, *torch.autograd.grad(out, (x, probs), dout))
+
+    captured, eager = _captured_and_eager(step, (x, probs))
     assert all(same_bits(a, b) for a, b in zip(captured, eager, strict=True))
 
 
@@ -178,19 +185,8 @@ def test_add_rms_norm_cuda_graph_and_inductor_fusion():
         y, s = torch_api.add_rms_norm(x, r, w)
         return (y, s, *torch.autograd.grad((y, s), (x, r, w), (dy, ds)))
 
-    eager = step(*[a.clone().requires_grad_() for a in (x, r, w)])
-    leaves = [a.clone().requires_grad_() for a in (x, r, w)]  # first used on the side stream (see above)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(*leaves)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(*leaves)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(same_bits(a, b) for a, b in zip(captured, eager))
+    captured, eager = _captured_and_eager(step, (x, r, w))
+    assert all(same_bits(a, b) for a, b in zip(captured, eager, strict=True))
 
     from torch._inductor.utils import run_and_get_code
 
