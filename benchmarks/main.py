@@ -102,7 +102,10 @@ def kernels_sha() -> str:
 
 
 def commit() -> str | None:
-    """This tree's commit (with "+changes" when it has uncommitted ones), where git is there."""
+    """This tree's commit (with "+changes" when it has uncommitted ones), where git is there; XKERN_COMMIT
+    overrides it (a device machine's copy of the tree may carry an older .git)."""
+    if os.environ.get("XKERN_COMMIT"):
+        return os.environ["XKERN_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
