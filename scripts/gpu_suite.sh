@@ -33,10 +33,11 @@ if "$PY" -c "import xdist" 2>/dev/null; then
   [ "$GROUPS_OK" = 1 ] && XDIST_LARGE="-n 2 --dist loadgroup"
 fi
 START=$SECONDS
+# XKERN_COMMIT: the commit the caller copied here (a device machine's copy may carry an older .git)
+TREE=${XKERN_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null || echo unknown) ($(git status --porcelain 2>/dev/null | wc -l) paths changed)"}
 {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \
-       "commit ${XKERN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-       "($(git status --porcelain 2>/dev/null | wc -l) paths changed)}"
+       "commit $TREE"
   "$PY" -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax_triton', jax_triton.__version__, 'numpy', numpy.__version__)"
   echo "# suite: pytest ${XDIST:-(one process)}, limit $SUITE_TIMEOUT s; Triton cache $TRITON_CACHE_DIR"
   # tests/test_gpu_large.py (tensors past 2**31 elements, both frameworks) runs afterwards: beside 13 other
