@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE
+from helpers import DEVICE, GPU
 
 from torch_api import hf_moe
 
@@ -72,13 +72,16 @@ def test_xkern_experts_match_eager(model_type):
 
 
 def test_torch_compile_fullgraph():
-    model = _model("qwen3_moe")
+    # On a GPU in bf16: torch._grouped_mm takes no fp32 there, and transformers' fp32 fallback (a loop over
+    # the experts) cannot be traced without a graph break.
+    model = _model("qwen3_moe", torch.bfloat16 if GPU else torch.float32)
     hf_moe.use_xkern_experts(model)
     want, want_grads = _logits_and_grads(model)
     got, got_grads = _logits_and_grads(model, torch.compile(model, fullgraph=True, backend="aot_eager"))
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    tol = dict(rtol=2e-2, atol=2e-2) if GPU else dict(rtol=1e-5, atol=1e-6)  # bf16: decompositions round apart
+    torch.testing.assert_close(got.float(), want.float(), **tol)
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got_grads[name].float(), want_grads[name].float(), **tol, msg=name)
 
 
 def test_expert_parallel_sentinels_add_nothing():

@@ -192,7 +192,7 @@ def test_double_backward_against_float64_autograd():
     got = torch_second(lambda y, p: torch_api.unpermute_rows(y, tidx, n, top_k=top_k, probs=p), torch.float32)
     want = torch_second(lambda y, p: _ref_combine(y, tidx.cpu(), n, top_k, p), torch.float64)
     for g, r, name in zip(got, want, ("y", "p", "w"), strict=True):
-        assert torch.allclose(g.double().cpu(), r, rtol=1e-5, atol=1e-5), name
+        assert torch.allclose(g.double().cpu(), r.cpu(), rtol=1e-5, atol=1e-5), name
 
     jidx = jnp.asarray(idx_np.astype(np.int32))
 
