@@ -8,6 +8,7 @@ few rows, the wide widths once each (torch and JAX launch the same binaries: tes
 
 from __future__ import annotations
 
+import pickle
 import sys
 import zlib
 
@@ -267,6 +268,7 @@ def test_compile_rewrites_norm_of_a_sum_to_the_fused_op():
         enable_compile_fusion()  # idempotent
         passes = torch._inductor.config.pre_grad_custom_pass
         assert passes is not None and not isinstance(passes, (list, tuple))
+        assert pickle.loads(pickle.dumps(passes)).uuid() == passes.uuid()  # Inductor's cache key pickles it
 
 
 def test_torch_func_strided_and_zero_width():

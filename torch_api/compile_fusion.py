@@ -93,6 +93,10 @@ def _custom_pass():
         def uuid(self) -> bytes:  # Inductor's cache key: this file's contents
             return hashlib.sha256(Path(__file__).read_bytes()).digest()
 
+    # Inductor pickles its config into the FX graph cache key: the class must be found by name in this module
+    # (a local class made every compile print "Failed to pickle cache key" and skip the cache).
+    FuseAddRMSNorm.__qualname__ = "FuseAddRMSNorm"
+    globals()["FuseAddRMSNorm"] = FuseAddRMSNorm
     return FuseAddRMSNorm()
 
 
