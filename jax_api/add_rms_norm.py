@@ -6,7 +6,11 @@ backward one launch with a batch grid axis (one dw per example); a batched weigh
 JAX hands the backward a zero cotangent for an unused residual_out, so the backward always reads it.
 Under jit, sharded rows stay sharded (`jax.experimental.custom_partitioning`, as rms_norm's rows case in
 jax_api/sharding.py: each device runs the kernels on its rows, dw summed in fp32 over the row axes, then
-rounded once); a sharded hidden dim is gathered (no fused width-sharded path).
+rounded once). A sharded hidden dim (tensor parallel) stays sharded where the width-sharded kernels compute
+the math (Llama's, with a weight, residual_out in x's dtype): each device adds its columns (FP32, one
+rounding: the fused kernel's sum bit for bit), then runs rms_norm's width-sharded kernels on them (one psum
+of the row sums); backward, d(sum) is their dx plus d(residual_out), added in FP32 and rounded once more
+(within the contract, as the width-sharded rms_norm is). Other cases gather the width.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
-from jax_api.sharding import _dims, _factors, _local, _named, _partitioned
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
+from jax_api.sharding import _bwd_width_sharded, _dims, _factors, _fwd_width_sharded, _local, _named, _partitioned
+from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm, width_sharded_ok
 
 
 def _fwd(x, residual, weight, eps, variant, res_dtype):
@@ -46,18 +50,31 @@ def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims, dw_dtype=No
     return dsum.reshape(res.shape), None if weight is None else dw.reshape(batch_shape + weight.shape)
 
 
+def _width_ok(variant: str, weighted: bool, x_dtype, res_dtype) -> bool:
+    """Whether a sharded hidden dim stays sharded: the width-sharded kernels' math, normed in x's dtype."""
+    return weighted and width_sharded_ok(variant) and jnp.dtype(x_dtype) == jnp.dtype(res_dtype)
+
+
+def _fwd_width(hidden, n_total: int, eps: float, res_dtype: str, x, r, w):
+    """One shard's columns: the sum (FP32, rounded once, as the fused kernel), then the width-sharded norm."""
+    s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(res_dtype)
+    return _fwd_width_sharded(hidden, n_total, eps, s, w), s
+
+
 @functools.cache
 def _fwd_sharded(eps: float, variant: str, res_dtype: str, ndim: int, weighted: bool):
-    """_fwd partitioned by rows (x and residual alike; the hidden dim gathered)."""
+    """_fwd partitioned by rows (x and residual alike) and, where `_width_ok`, by the hidden dim."""
     rows = " ".join(_factors(ndim - 1))
     body = (lambda x, r, w: _fwd(x, r, w, eps, variant, res_dtype)) if weighted else \
         (lambda x, r: _fwd(x, r, None, eps, variant, res_dtype))
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[0])
-        dims[-1] = ()
+        hidden = dims[-1] if _width_ok(variant, weighted, arg_shapes[0].dtype, res_dtype) else ()
+        dims[-1] = hidden
         xs = _named(mesh, dims)
-        return mesh, _local(body), (xs, xs), (xs, xs) + ((_named(mesh, [()]),) if weighted else ())
+        fn = functools.partial(_fwd_width, hidden, arg_shapes[0].shape[-1], eps, res_dtype) if hidden else body
+        return mesh, _local(fn), (xs, xs), (xs, xs) + ((_named(mesh, [hidden]),) if weighted else ())
 
     w_rule = ", n" if weighted else ""
     return _partitioned(body, partition, f"{rows} n, {rows} n{w_rule} -> {rows} n, {rows} n")
@@ -77,19 +94,26 @@ def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[2])
-        dims[-1] = ()
+        hidden = dims[-1] if _width_ok(variant, weighted, x_dtype, arg_shapes[2].dtype) else ()
+        dims[-1] = hidden
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
         xs = _named(mesh, dims)
         if not weighted:
             return mesh, _local(dsum_only), xs, (xs, xs, xs)
+        n_total = arg_shapes[2].shape[-1]
 
         def fn(dy, dres, res, w):
-            dsum, dw = body(dy, dres, res, w, jnp.float32)
+            if hidden:  # the width-sharded norm's dx, plus d(residual_out): FP32, rounded once more
+                dx, dw = _bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, res, w)
+                dsum = (dx.astype(jnp.float32) + dres.astype(jnp.float32)).astype(res.dtype)
+            else:
+                dsum, dw = body(dy, dres, res, w, jnp.float32)
             if row_axes:
                 dw = jax.lax.psum(dw, row_axes)
             return dsum, dw.astype(w.dtype)
 
-        return mesh, _local(fn), (xs, _named(mesh, dims[:n_batch_dims] + [()])), (xs, xs, xs, _named(mesh, [()]))
+        return (mesh, _local(fn), (xs, _named(mesh, dims[:n_batch_dims] + [hidden])),
+                (xs, xs, xs, _named(mesh, [hidden])))
 
     if not weighted:
         return _partitioned(dsum_only, partition, f"{lead} n, {lead} n, {lead} n -> {lead} n")

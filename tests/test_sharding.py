@@ -37,8 +37,8 @@ GATHER_CASES = {
     "gather rows and hidden 2d": ("2d", ("data", "model"), ("data",), True),
 }
 CHECKS = ["fwd", "grad", "vmap", "remat"]
-CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + ["variants", "index ops",
-                                                                                  "readme step", "add rows"]
+CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + [
+    "variants", "index ops", "readme step", "add rows", "add width 1d", "add rows and width 2d"]
 
 
 @functools.cache
@@ -329,6 +329,33 @@ def _check_all(n_devices: int) -> dict:
         R.check(np.asarray(got[4]), rdw, "dw", abs_ok=dw_tol)
 
     case("add rows", add_rows)
+
+    def add_width(mesh, spec):  # the hidden dim sharded: local sums, the width-sharded norm, never gathered
+        x0, r0, dy0, ds0 = (rng.standard_normal((2, 8, 64)).astype(R.BF16) for _ in range(4))
+        w0 = (1 + 0.5 * rng.standard_normal(64)).astype(R.BF16)
+        x_sh, w_sh = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(spec[-1]))
+
+        def f(x, r, w, dy, ds):
+            out, vjp = jax.vjp(lambda x, r, w: jax_api.add_rms_norm(x, r, w, eps), x, r, w)
+            return (*out, *vjp((dy, ds)))
+
+        f = jax.jit(f)
+        args = [jax.device_put(a, s) for a, s in ((x0, x_sh), (r0, x_sh), (w0, w_sh), (dy0, x_sh), (ds0, x_sh))]
+        got, one = f(*args), f(*(jnp.asarray(a) for a in (x0, r0, w0, dy0, ds0)))
+        no_all_gather(f, *args)
+        for name, a in zip(("y", "residual_out", "dx", "dresidual"), got):
+            sharded_like(a, x_sh, name)
+        sharded_like(got[4], w_sh, "dw")
+        same(got[1], one[1], "residual_out")  # the sum: the fused kernel's bits
+        y64, s64 = R.add_rms_norm_fwd(x0, r0, w0, eps)
+        R.check(np.asarray(got[0]), y64, "fwd")
+        dsum, rdw, dw_tol = R.add_rms_norm_bwd(s64, w0, dy0, ds0, eps)
+        R.check(np.asarray(got[2]), dsum, "dx")
+        same(got[2], got[3], "dx and dresidual (one gradient, both bf16)")
+        R.check(np.asarray(got[4]), rdw, "dw", abs_ok=dw_tol)
+
+    case("add width 1d", lambda: add_width(meshes["1d"], (None, None, "d")))
+    case("add rows and width 2d", lambda: add_width(meshes["2d"], (None, "data", "model")))
     return report
 
 
