@@ -9,7 +9,8 @@
   the width or replicated): no all-gather, y, dx and dw within the contract of the FP64 oracle.
 - The other variants (Gemma, OLMo2, no weight) on DTensors sharded on rows (local) or on the width (gathered):
   y and dx bitwise equal to one rank's, dw within the oracle's contract.
-- add_rms_norm on DTensors sharded on rows: y, residual_out and both input gradients bitwise one rank's.
+- add_rms_norm on DTensors sharded on rows: y, residual_out and both input gradients bitwise one rank's; on
+  the width: no all-gather, residual_out bitwise, y, the gradients and dw within the FP64 oracle's contract.
 Each world size runs in one child process that spawns its ranks (rank 0 prints one line per case).
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["tp block", "fsdp2", "gathers", "width sharded", "variants", "add rows sharded"]
+CASES = ["tp block", "fsdp2", "gathers", "width sharded", "variants", "add rows sharded", "add width sharded"]
 DIM, HEADS, SEQ, BATCH, EPS = 32, 4, 8, 2, 1e-6
 
 
@@ -286,6 +287,38 @@ def _add_rows_sharded(rank: int, world: int, mesh) -> None:
         assert torch.equal(a.full_tensor(), b)
 
 
+def _add_width_sharded(rank: int, world: int, mesh) -> None:
+    """The fused add on a width-sharded DTensor: no gather, residual_out bitwise one rank's, y, the inputs'
+    gradient and dw within the contract of the FP64 oracle."""
+    import torch
+    from helpers import to_numpy
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import torch_api
+    from xkern import reference as R
+
+    torch.manual_seed(7)
+    x, r, dy, ds = (torch.randn(2, 4, 8 * world).to(torch.bfloat16) for _ in range(4))
+    w = (1 + 0.5 * torch.randn(8 * world)).to(torch.bfloat16)
+    want_s = torch_api.add_rms_norm(x, r, w, EPS)[1]
+    y64, s64 = R.add_rms_norm_fwd(to_numpy(x), to_numpy(r), to_numpy(w), EPS)
+    dsum, want_dw, dw_tol = R.add_rms_norm_bwd(s64, to_numpy(w), to_numpy(dy), to_numpy(ds), EPS)
+    xd, rd = (distribute_tensor(a, mesh, [Shard(2)]).requires_grad_() for a in (x, r))
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    with CommDebugMode() as comms:
+        y, s = torch_api.add_rms_norm(xd, rd, wd, EPS)
+        torch.autograd.backward((y, s), tuple(distribute_tensor(a, mesh, [Shard(2)]) for a in (dy, ds)))
+    counts = {str(k): v for k, v in comms.get_comm_counts().items()}
+    assert not any("gather" in k for k in counts), counts
+    assert y.placements == s.placements == (Shard(2),), (y.placements, s.placements)
+    assert torch.equal(s.full_tensor(), want_s)
+    R.check(to_numpy(y.full_tensor()), y64, "fwd")
+    R.check(to_numpy(xd.grad.full_tensor()), dsum, "dx")
+    assert torch.equal(xd.grad.full_tensor(), rd.grad.full_tensor())
+    R.check(to_numpy(wd.grad.full_tensor()), want_dw, "dw", abs_ok=dw_tol)
+
+
 def _rank(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -293,7 +326,8 @@ def _rank(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     report = {}
-    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded, _variants, _add_rows_sharded)):
+    for name, fn in zip(CASES, (_tp_block, _fsdp2, _gathers, _width_sharded, _variants, _add_rows_sharded,
+                                 _add_width_sharded)):
         try:
             fn(rank, world, mesh)
             report[name] = "ok"

@@ -10,7 +10,10 @@ input whose placement is not among them, e.g. all-gathers it):
 - rms_norm_bwd(dy, x, w): likewise; dw is `Partial()` (each rank's dw of its rows, in w's dtype), summed
   when DTensor reduces it (all-reduce: dw rounds once more than on one device, per rank, before the sum).
 - add_rms_norm_fwd(x, residual, w) and add_rms_norm_bwd(dy, dres, residual_out, w): as rms_norm's, x and
-  residual (dy, dres and residual_out) placed alike; a width-sharded x is gathered (no fused width path).
+  residual (dy, dres and residual_out) placed alike. A width-sharded x takes the width path below where it
+  computes the math (Llama's, with a weight, residual_out in x's dtype): each rank adds its columns (FP32,
+  one rounding: the fused kernel's sum bit for bit), then the width-sharded norm; backward, its dx plus
+  d(residual_out), added in FP32 and rounded once more (as jax_api's path). Otherwise the width is gathered.
 - permute_rows(x, idx): the hidden dim sharded (local), or the indices sharded with x replicated (each rank
   gathers its slots; a row-sharded x is all-gathered first: the indices are global).
 - unpermute_rows(y, idx): the hidden dim sharded; otherwise replicated (y's rows all-gathered).
@@ -69,7 +72,7 @@ def _rms_norm_bwd(dy, x, weight, eps, variant="llama"):
 
 @register_sharding(_ops.add_rms_norm_fwd.default)
 def _add_rms_norm_fwd(x, residual, weight, eps, variant, residual_dtype):
-    # as rms_norm_fwd, x and residual placed alike (a width-sharded x is gathered: no fused width path yet)
+    # as rms_norm_fwd, x and residual placed alike (a width-sharded x: the handler below, or gathered here)
     w = None if weight is None else R
     rules = [([R, R], [R, R, w, None, None, None])]
     rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), w, None, None, None]) for d in range(x.ndim - 1)]
@@ -213,5 +216,36 @@ def _rms_norm_bwd_handler(op_call, args, kwargs):
     return (_dtensor(dx, mesh, x_places, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
 
 
+def _add_width_path(x, weight, variant: str, res_dtype) -> list[int]:
+    """`_width_path` for the fused add: also residual_out in x's dtype (`normed` rounds to it)."""
+    return _width_path(x, weight, (variant,), {}) if res_dtype == x.dtype else []
+
+
+def _add_rms_norm_fwd_handler(op_call, args, kwargs):
+    x, residual, weight, eps, variant, residual_dtype = args
+    width = _add_width_path(x, weight, variant, getattr(torch, residual_dtype))
+    if not width:
+        with _strategies_only(op_call):
+            return op_call(*args, **kwargs)
+    x_places, (xl, rl), _ = _local_inputs(x, [(residual, "x")], width)
+    s = _dtensor((xl.float() + rl.float()).to(getattr(torch, residual_dtype)), x.device_mesh, x_places, x.shape)
+    return _rms_norm_fwd_handler(_ops.rms_norm_fwd.default, (s, weight, eps, "llama"), {}), s
+
+
+def _add_rms_norm_bwd_handler(op_call, args, kwargs):
+    dy, dres, residual_out, weight, eps, variant, x_dtype = args
+    width = _add_width_path(residual_out, weight, variant, getattr(torch, x_dtype))
+    if not width:
+        with _strategies_only(op_call):
+            return op_call(*args, **kwargs)
+    dx, dw = _rms_norm_bwd_handler(_ops.rms_norm_bwd.default, (dy, residual_out, weight, eps, "llama"), {})
+    if dres is None:
+        return dx, dw
+    dsum = (dx._local_tensor.float() + _local(dres, dx.placements).float()).to(dx.dtype)
+    return _dtensor(dsum, dx.device_mesh, dx.placements, dx.shape), dw
+
+
 DTensor._op_dispatcher._custom_op_handlers.update({_ops.rms_norm_fwd.default: _rms_norm_fwd_handler,
-                                                    _ops.rms_norm_bwd.default: _rms_norm_bwd_handler})
+                                                    _ops.rms_norm_bwd.default: _rms_norm_bwd_handler,
+                                                    _ops.add_rms_norm_fwd.default: _add_rms_norm_fwd_handler,
+                                                    _ops.add_rms_norm_bwd.default: _add_rms_norm_bwd_handler})
