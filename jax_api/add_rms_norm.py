@@ -23,7 +23,12 @@ import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
 from jax_api.sharding import _bwd_width_sharded, _dims, _factors, _fwd_width_sharded, _local, _named, _partitioned
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm, width_sharded_ok
+from xkern.rms_norm import (
+    add_rms_norm_bwd_recipe,
+    add_rms_norm_fwd_recipe,
+    add_width_sharded_ok,
+    check_add_rms_norm,
+)
 
 
 def _fwd(x, residual, weight, eps, variant, res_dtype):
@@ -50,11 +55,6 @@ def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims, dw_dtype=No
     return dsum.reshape(res.shape), None if weight is None else dw.reshape(batch_shape + weight.shape)
 
 
-def _width_ok(variant: str, weighted: bool, x_dtype, res_dtype) -> bool:
-    """Whether a sharded hidden dim stays sharded: the width-sharded kernels' math, normed in x's dtype."""
-    return weighted and width_sharded_ok(variant) and jnp.dtype(x_dtype) == jnp.dtype(res_dtype)
-
-
 def _fwd_width(hidden, n_total: int, eps: float, res_dtype: str, x, r, w):
     """One shard's columns: the sum (FP32, rounded once, as the fused kernel), then the width-sharded norm."""
     s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(res_dtype)
@@ -63,14 +63,14 @@ def _fwd_width(hidden, n_total: int, eps: float, res_dtype: str, x, r, w):
 
 @functools.cache
 def _fwd_sharded(eps: float, variant: str, res_dtype: str, ndim: int, weighted: bool):
-    """_fwd partitioned by rows (x and residual alike) and, where `_width_ok`, by the hidden dim."""
+    """_fwd partitioned by rows (x and residual alike) and, where `add_width_sharded_ok`, by the hidden dim."""
     rows = " ".join(_factors(ndim - 1))
     body = (lambda x, r, w: _fwd(x, r, w, eps, variant, res_dtype)) if weighted else \
         (lambda x, r: _fwd(x, r, None, eps, variant, res_dtype))
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[0])
-        hidden = dims[-1] if _width_ok(variant, weighted, arg_shapes[0].dtype, res_dtype) else ()
+        hidden = dims[-1] if add_width_sharded_ok(variant, jnp.dtype(arg_shapes[0].dtype).name, res_dtype) else ()
         dims[-1] = hidden
         xs = _named(mesh, dims)
         fn = functools.partial(_fwd_width, hidden, arg_shapes[0].shape[-1], eps, res_dtype) if hidden else body
@@ -94,7 +94,7 @@ def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims
 
     def partition(mesh, arg_shapes, result_shape):
         dims = _dims(arg_shapes[2])
-        hidden = dims[-1] if _width_ok(variant, weighted, x_dtype, arg_shapes[2].dtype) else ()
+        hidden = dims[-1] if add_width_sharded_ok(variant, x_dtype, jnp.dtype(arg_shapes[2].dtype).name) else ()
         dims[-1] = hidden
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
         xs = _named(mesh, dims)

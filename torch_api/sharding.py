@@ -47,8 +47,13 @@ from torch.distributed.tensor.experimental import register_sharding
 import torch_api.add_rms_norm  # noqa: F401  (registers the xkern::* ops)
 import torch_api.permute  # noqa: F401
 import torch_api.rms_norm  # noqa: F401
-from torch_api._launch import launch, rows_view
-from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded, width_sharded_ok
+from torch_api._launch import dtype_name, launch, rows_view
+from xkern.rms_norm import (
+    add_width_sharded_ok,
+    plan_rms_norm_bwd_width_sharded,
+    plan_rms_norm_fwd_width_sharded,
+    width_sharded_ok,
+)
 
 _ops = torch.ops.xkern
 R = Replicate()
@@ -216,14 +221,9 @@ def _rms_norm_bwd_handler(op_call, args, kwargs):
     return (_dtensor(dx, mesh, x_places, x.shape), _dtensor(dw, mesh, w_places, weight.shape))
 
 
-def _add_width_path(x, weight, variant: str, res_dtype) -> list[int]:
-    """`_width_path` for the fused add: also residual_out in x's dtype (`normed` rounds to it)."""
-    return _width_path(x, weight, (variant,), {}) if res_dtype == x.dtype else []
-
-
 def _add_rms_norm_fwd_handler(op_call, args, kwargs):
     x, residual, weight, eps, variant, residual_dtype = args
-    width = _add_width_path(x, weight, variant, getattr(torch, residual_dtype))
+    width = _width_dims(x) if add_width_sharded_ok(variant, dtype_name(x.dtype), residual_dtype) else []
     if not width:
         with _strategies_only(op_call):
             return op_call(*args, **kwargs)
@@ -234,7 +234,8 @@ def _add_rms_norm_fwd_handler(op_call, args, kwargs):
 
 def _add_rms_norm_bwd_handler(op_call, args, kwargs):
     dy, dres, residual_out, weight, eps, variant, x_dtype = args
-    width = _add_width_path(residual_out, weight, variant, getattr(torch, x_dtype))
+    width = _width_dims(residual_out) if add_width_sharded_ok(variant, x_dtype, dtype_name(residual_out.dtype)) \
+        else []
     if not width:
         with _strategies_only(op_call):
             return op_call(*args, **kwargs)

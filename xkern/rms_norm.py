@@ -1358,6 +1358,13 @@ def width_sharded_ok(variant: str) -> bool:
     return variant == "llama"
 
 
+def add_width_sharded_ok(variant: str, x_dtype: str, res_dtype: str) -> bool:
+    """Whether a sharded width of `add_rms_norm` stays sharded (check_variant's variant, dtype names): each
+    shard adds its columns, then the width-sharded kernels normalise them, which round `normed` to their
+    input's dtype, so residual_out must be in x's."""
+    return width_sharded_ok(variant) and x_dtype == res_dtype
+
+
 def plan_rms_norm_fwd_width_sharded(n_rows: int, n_cols: int, eps: float,
                                     row_strides: tuple[int, ...] = ()) -> tuple[Launch, Launch]:
     """The forward of one shard of a width-sharded RMSNorm: (sums, norm). `sums`: x -> SUM_SQ [n_rows]
