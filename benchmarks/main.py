@@ -285,8 +285,9 @@ def run(args) -> int:
         if GPU:
             torch.cuda.empty_cache()
         spent = time.time() - start
+        held = f", {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved" if GPU else ""
         log(f"{case.label}: {time.time() - t0:.1f} s (total {spent:.0f} s, "
-            f"about {spent / (i + 1) * (len(work) - i - 1):.0f} s to go)")
+            f"about {spent / (i + 1) * (len(work) - i - 1):.0f} s to go{held})")
         save()
     results["wall_s"] = time.time() - start
     save()
