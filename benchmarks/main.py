@@ -148,6 +148,17 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
+def reserved_gib() -> str:
+    """torch's reserved memory, and the part of it in CUDA graph pools (what empty_cache cannot return while a
+    graph or a failed capture holds the pool): the H100 main job ran out of memory with 51-61 GiB reserved
+    but unallocated after a few cases (2026-12-05), not yet traced."""
+    import torch
+
+    segments = torch.cuda.memory_snapshot()
+    pools = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+    return f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved, {pools / 2**30:.1f} in graph pools"
+
+
 def ops(only):
     from benchmarks import permute, rms_norm
 
@@ -197,6 +208,8 @@ def output_stem(gpu: str, args) -> str:
         stem += "-quick"
     elif args.host:
         stem += "-host"
+    elif args.part:  # a main job split over processes or calls; merge with benchmarks.report --merge
+        stem += f"-part{args.part.replace('/', 'of')}"
     return stem + (f"-{args.only}" if args.only else "") + ("-smoke" if args.smoke or not GPU else "")
 
 
@@ -249,7 +262,8 @@ def run(args) -> int:
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
     log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
-    host_first = mode.startswith("host") or not mode.startswith("sweep") and args.only in (None, "rms_norm")
+    host_first = mode.startswith("host") or not mode.startswith("sweep") and args.only in (None, "rms_norm") and (
+        not args.part or args.part.startswith("1/"))  # a split main job: the host tables in its first part
     est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
     log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
         f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
@@ -285,7 +299,7 @@ def run(args) -> int:
         if GPU:
             torch.cuda.empty_cache()
         spent = time.time() - start
-        held = f", {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved" if GPU else ""
+        held = f", {reserved_gib()}" if GPU else ""
         log(f"{case.label}: {time.time() - t0:.1f} s (total {spent:.0f} s, "
             f"about {spent / (i + 1) * (len(work) - i - 1):.0f} s to go{held})")
         save()

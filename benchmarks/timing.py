@@ -113,16 +113,15 @@ def torch_device_us(make_calls, eager_fallback: bool = True) -> tuple[float, str
             for call in calls:
                 call()
     torch.cuda.synchronize()
-    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             for call in calls:
                 call()
         torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001 - any capture failure: time eagerly and say so
         del graph
         torch.cuda.synchronize()
-        _release_failed_capture(pool)
         if not eager_fallback:
             raise
         us = torch_eager_us(calls)
@@ -130,20 +129,6 @@ def torch_device_us(make_calls, eager_fallback: bool = True) -> tuple[float, str
     us = do_bench_us(graph.replay) / len(calls)
     del graph
     return us, f"CUDA graph of {len(calls)} call(s), one per input set, replayed under do_bench (median)"
-
-
-def _release_failed_capture(pool) -> None:
-    """Give back the memory pool of a capture that failed. torch releases a graph's pool only once its capture
-    has ended, so what a failed capture allocated stays reserved where empty_cache cannot return it: on the
-    80 GB H100 the main job's later cases ran out of memory with 51-61 GiB reserved but unallocated after a
-    few peers' captures had failed (2026-12-05; on the H200, ~115 GiB after the RMSNorm cases)."""
-    import torch
-
-    try:
-        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
-    except RuntimeError:  # already released (a torch that ends a failed capture itself)
-        pass
-    torch.cuda.empty_cache()
 
 
 def torch_eager_us(calls) -> float:
