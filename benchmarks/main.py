@@ -56,6 +56,11 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# With torch's default fixed-size segments, the memory of one case stayed reserved after it (empty_cache
+# returned none of it) and grew case by case: 7, 23, 28, 54, 57 GiB after the first five gather cases, then
+# out of memory next to JAX on the 80 GB H100 (2026-12-05; ~115 GiB on the H200 the day before). With
+# expandable segments every case of the main job ended at 0.0 GiB reserved (H100, 21 cases).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -135,8 +140,7 @@ def configure_dynamo() -> None:
 
 def release() -> None:
     """Give back what a table's compiled functions and CUDA graphs hold: the block's reduce-overhead graphs
-    keep their memory pools until Dynamo forgets them, and on an 80 GB H100 the cases after them ran out of
-    memory with ~65 GiB reserved by torch but unallocated (2026-12-05)."""
+    keep their memory pools until Dynamo forgets them."""
     if not GPU:
         return
     import gc
@@ -149,9 +153,8 @@ def release() -> None:
 
 
 def reserved_gib() -> str:
-    """torch's reserved memory, and the part of it in CUDA graph pools (what empty_cache cannot return while a
-    graph or a failed capture holds the pool): the H100 main job ran out of memory with 51-61 GiB reserved
-    but unallocated after a few cases (2026-12-05), not yet traced."""
+    """torch's reserved memory after a case, and the part of it in CUDA graph pools (what empty_cache cannot
+    return while a graph holds the pool): both should read 0 (see PYTORCH_CUDA_ALLOC_CONF above)."""
     import torch
 
     segments = torch.cuda.memory_snapshot()
@@ -162,8 +165,8 @@ def reserved_gib() -> str:
 def ops(only):
     from benchmarks import permute, rms_norm
 
-    # The gathers first: after the RMSNorm cases torch's allocator held ~115 GiB reserved but unallocated that
-    # empty_cache did not return, and three gather rows ran out of memory (H200, 2026-12-04; not yet traced).
+    # The gathers first (before expandable segments, memory reserved by the RMSNorm cases left three gather rows
+    # out of memory on the H200, 2026-12-04).
     all_ops = [permute.PERMUTE, permute.UNPERMUTE, rms_norm.OP]
     return [op for op in all_ops if only is None or op.name == only or (only == "permute" and "permute" in op.name)]
 
