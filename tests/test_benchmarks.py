@@ -256,13 +256,18 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
         rows += plan_probe.time_case("fwd", 3, 256, "bfloat16", [("chunked", plan_probe.fwd_chunked(2, 64, 1), None),
                                                                  ("split", plan_probe.fwd_split(64, 4, 1), None)],
                                      DEVICE, log=lambda *_: None)
+        rows += plan_probe.time_case("fwd", 9, 64, "bfloat16", [("tile", plan_probe.fwd_tile(4, 1), None)],
+                                     DEVICE, log=lambda *_: None)
+        rows += plan_probe.time_case("bwd", 5, 16500, "bfloat16", [("cols", None, plan_probe.bwd_cols(2, 4096, 4, 8))],
+                                     DEVICE, log=lambda *_: None)
     finally:
         timing.set_smoke(False)
     assert [r["candidate"] for r in rows] == ["plan", "tile", "row", "plan (again)", "plan", "chunked", "split",
+                                              "plan (again)", "plan", "tile", "plan (again)", "plan", "cols",
                                               "plan (again)"]
     assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in rows), rows
     table = plan_probe.summary(rows).splitlines()
-    assert len(table) == 4 and table[2].startswith("| bwd | 40×64 | bfloat16 |"), table
+    assert len(table) == 6 and table[2].startswith("| bwd | 40×64 | bfloat16 |"), table
     assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
 
 
