@@ -265,8 +265,8 @@ def run(args) -> int:
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
     log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
-    host_first = mode.startswith("host") or not mode.startswith("sweep") and args.only in (None, "rms_norm") and (
-        not args.part or args.part.startswith("1/")) and not args.no_host  # a split job: in its first part
+    host_first = mode.startswith("host") or not (mode.startswith("sweep") or args.no_host) and args.only in (
+        None, "rms_norm")
     est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
     log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
         f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
@@ -370,7 +370,8 @@ def main(argv=None) -> int:
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--no-host", action="store_true",
                         help="the cases only: no host, block or sharded table (measured in another part or run)")
-    parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep over device calls)")
+    parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep or the main job over "
+                        "processes or device calls; with --no-host after the first)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
     parser.add_argument("--moe", action="store_true", help="the MoE layer step instead (benchmarks/moe_layer.py)")

@@ -100,14 +100,13 @@ def fwd_tile(block_m: int, num_warps: int):
 
 
 def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
-    """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile (`_BWD_COLS_TILE`'s fields)."""
+    """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of `_BWD_COLS_TILE`."""
     def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
-        p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
-        col_blocks = cdiv(n_cols, block_n)
-        groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
-        bwd = dataclasses.replace(p.bwd, grid=(col_blocks, groups, n_batch), num_warps=num_warps,
-                                  constexprs={**p.bwd.constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n})
-        return XR.BwdPlan(p.stats, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+        saved, XR._BWD_COLS_TILE = XR._BWD_COLS_TILE, (block_m, block_n, num_warps, programs)
+        try:
+            return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
+        finally:
+            XR._BWD_COLS_TILE = saved
     return plan
 
 
