@@ -23,6 +23,7 @@ from helpers import DEVICE, GPU, graph_ops, to_numpy
 
 import torch_api
 from torch_api import hf
+from torch_api.hf import classes, norm_forward, probe, replace
 from xkern import reference as R
 
 transformers = pytest.importorskip("transformers")
@@ -151,7 +152,7 @@ def test_every_norm_class_in_transformers(record_property):
     for cls, math in maths.items():
         if math is None:
             continue
-        module = hf._construct(cls).to(DEVICE)
+        module = probe._construct(cls).to(DEVICE)
         if math.variant != "none":
             module.weight = torch.nn.Parameter((1.0 + 0.5 * torch.randn(64, generator=gen)).to(DEVICE, torch.bfloat16))
         setattr(module, math.eps_attr, 1e-5)
@@ -201,21 +202,19 @@ def test_probe_rejects_other_math():
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_patched_model_matches_eager(model_type):
+def test_patched_model_matches_eager(model_type, monkeypatch):
     ref, model = _model(model_type), _model(model_type)
     n_norms = len(_norms(model))
     assert n_norms >= 3 and {hf.norm_math(type(m)).variant for m in _norms(model)} == FAMILIES[model_type][1]
     assert torch_api.replace_rms_norm(model) == n_norms
     assert torch_api.replace_rms_norm(model) == 0  # second call replaces nothing
     calls, handles = _judged_by_the_oracle(model)
-    xkern_calls = []
-    real = hf.rms_norm
-    hf.rms_norm = lambda *a, **k: xkern_calls.append(1) or real(*a, **k)
+    xkern_calls, real = [], norm_forward.rms_norm
+    monkeypatch.setattr(norm_forward, "rms_norm", lambda *a, **k: xkern_calls.append(1) or real(*a, **k))
     try:
         logits_ref, grads_ref = _logits_and_grads(ref)
         logits, grads = _logits_and_grads(model)
     finally:
-        hf.rms_norm = real
         for h in handles:
             h.remove()
     # every call of a norm (Llama4's L2 norm serves q and k): xkern, judged by the oracle
@@ -253,7 +252,7 @@ def test_save_load_and_copies(tmp_path):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     norms = [m for m in loaded.modules() if type(m).__name__ == "LlamaRMSNorm"]
-    assert len(norms) == 3 and not any(isinstance(m.forward, hf._Forward) for m in norms)  # eager
+    assert len(norms) == 3 and not any(isinstance(m.forward, replace._Forward) for m in norms)  # eager
     assert "xkern" not in repr(loaded)
     assert torch_api.replace_rms_norm(loaded) == 3 and "xkern=llama" in repr(loaded)  # and patchable again
 
@@ -265,7 +264,7 @@ def test_save_load_and_copies(tmp_path):
     # A deep copy stays patched, bound to itself: its own weight and eps.
     norm = model.model.norm
     twin = copy.deepcopy(norm)
-    assert isinstance(twin.forward, hf._Forward) and twin.forward.module is twin
+    assert isinstance(twin.forward, replace._Forward) and twin.forward.module is twin
     twin.variance_epsilon = 0.5
     x = torch.randn(2, 64, device=DEVICE)
     torch.testing.assert_close(twin(x), LlamaRMSNorm.forward(twin, x))
@@ -279,7 +278,7 @@ def test_leaves_other_modules_alone():
     mods = [wrapped, torch.nn.LayerNorm(8), torch.nn.RMSNorm(8)]
     model = torch.nn.Sequential(*mods, LlamaRMSNorm(8))
     assert torch_api.replace_rms_norm(model) == 1
-    assert isinstance(model[-1].forward, hf._Forward)
+    assert isinstance(model[-1].forward, replace._Forward)
     assert all("forward" not in m.__dict__ for m in mods if m is not wrapped)
 
 
@@ -332,7 +331,7 @@ def test_class_patching_before_construction(tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
         built = _model("gemma")
         for model in (loaded, built):
-            assert all(type(m).forward is hf._class_forward for m in _norms(model))
+            assert all(type(m).forward is classes.class_forward for m in _norms(model))
             assert "xkern=" in repr(model)
             assert torch_api.replace_rms_norm(model) == 0  # the class is patched: nothing to do per instance
         calls, handles = _judged_by_the_oracle(built)
@@ -343,28 +342,24 @@ def test_class_patching_before_construction(tmp_path):
     finally:
         restored = torch_api.unpatch_hf_classes()
     assert {c.__name__ for c in restored} == {"LlamaRMSNorm", "GemmaRMSNorm", "Olmo2RMSNorm"}
-    assert "forward" in LlamaRMSNorm.__dict__ and LlamaRMSNorm.forward is not hf._class_forward
+    assert "forward" in LlamaRMSNorm.__dict__ and LlamaRMSNorm.forward is not classes.class_forward
     eager = _model("gemma")
     assert "xkern" not in repr(eager) and _same(eager(input_ids=IDS).logits, logits)
     assert torch_api.unpatch_hf_classes() == []
 
 
-def test_class_patching_keeps_unprobed_subclasses_eager():
+def test_class_patching_keeps_unprobed_subclasses_eager(monkeypatch):
     class SubRMSNorm(LlamaRMSNorm):  # inherits the patched forward, but its own math was never probed
         pass
 
     try:
         torch_api.patch_hf_classes("llama")
-        assert SubRMSNorm not in hf._MATH
-        calls = []
-        real = hf.rms_norm
-        hf.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
+        assert SubRMSNorm not in probe.PROBED
+        calls, real = [], norm_forward.rms_norm
+        monkeypatch.setattr(norm_forward, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
         x = torch.randn(2, 8, device=DEVICE)
         sub = SubRMSNorm(8).to(DEVICE)
-        try:
-            assert _same(sub(x), hf.original_forward(LlamaRMSNorm)(sub, x)) and not calls  # eager
-        finally:
-            hf.rms_norm = real
+        assert _same(sub(x), hf.original_forward(LlamaRMSNorm)(sub, x)) and not calls  # eager
     finally:
         torch_api.unpatch_hf_classes()
 

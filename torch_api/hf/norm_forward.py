@@ -1,0 +1,30 @@
+"""A norm module's output through xkern: the forward that instance, class and `kernels` patching share."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_api._launch import INTERPRET
+from torch_api.hf.probe import NormMath
+from torch_api.rms_norm import rms_norm
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernels_take(hidden_states: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether the kernels take these: float16, bfloat16 or float32, on CUDA (or the CPU under
+    TRITON_INTERPRET=1: class patching reaches every model, a CPU one without Triton's interpreter too)."""
+    return (hidden_states.dtype in FLOATS and (weight is None or weight.dtype in FLOATS)
+            and (hidden_states.is_cuda or INTERPRET and hidden_states.device.type == "cpu"))
+
+
+def xkern_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor, math: NormMath) -> torch.Tensor | None:
+    """`module`'s output through xkern, or None for what the kernels do not take (`kernels_take`: the caller
+    runs the class's forward)."""
+    weight = None if math.variant == "none" else module.weight
+    if not kernels_take(hidden_states, weight):
+        return None
+    eps = getattr(module, math.eps_attr)
+    if math.variant in ("llama", "none"):
+        return rms_norm(hidden_states, weight, eps)
+    return rms_norm(hidden_states, weight, eps, variant=math.variant)
