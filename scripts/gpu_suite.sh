@@ -5,7 +5,7 @@
 # tests/gpu_logs/<kind>/, <kind> from the GPU's name, e.g. nvidia-h100: scripts/setup.sh): gpu_suite.log
 # (the suite, then the large tests, each with its slowest tests) and memcheck.log. Each step has its own
 # time limit in seconds, SUITE_TIMEOUT, LARGE_TIMEOUT and MEMCHECK_TIMEOUT; at the limit pytest gets an
-# interrupt, so the log still ends in its summary and durations. Needs jax-triton (carried as a wheel in
+# interrupt, so the log still ends in its summary and durations. Needs jax-triton (a wheel in
 # .whl/, see scripts/setup.sh).
 source "$(dirname "$0")/setup.sh"
 # setup.sh sets -e: a failing pytest would end the logged block there, skipping the rc line and the large
