@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Everything a GPU session should run after kernel or plan changes: the test suite, the large tests and the
-# memcheck subset (scripts/gpu_suite.sh), and (BENCH_S > 0) the benchmark report, each step under its own
-# time limit so one slow step cannot take the others' logs with it.
-# Device call: carry [".whl"], command `bash scripts/gpu_all.sh $OUT`. Logs go to $OUT/<kind>/ (nvidia-h100,
-# nvidia-h200: the GPU's name), gpu_suite.log and memcheck.log: copy that folder over tests/gpu_logs/<kind>/,
-# and the benchmark's JSON/PNG/log to benchmarks/results/.
+# The GPU validation after kernel or plan changes: the test suite, the large tests and the memcheck subset
+# (scripts/gpu_suite.sh), and (BENCH_S > 0) the benchmark report, each step under its own time limit so one
+# slow step cannot take the others' logs with it. Prints the summary lines of the logs.
+# Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md): `bash scripts/gpu_all.sh
+# OUTDIR`. Logs go to OUTDIR/<kind>/ (nvidia-h100, nvidia-h200: from the GPU's name), gpu_suite.log and
+# memcheck.log: copy that folder over tests/gpu_logs/<kind>/, and the benchmark's JSON/PNG/log to
+# benchmarks/results/<kind>/.
 # Limits (s): SUITE_TIMEOUT 240, then LARGE_TIMEOUT 150 beside MEMCHECK_TIMEOUT 150: at most ~420 s with
-# setup, so one 600 s call holds them and a cold machine's start. The benchmark runs in a call of its own.
+# setup, under 10 minutes with a machine's start. The benchmark usually runs on its own (BENCH_S=0).
 set -u
 OUTDIR=${1:?usage: gpu_all.sh OUTDIR}
 BENCH_S=${BENCH_S:-0}

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU validation run (H100 or H200 through the device tool): the whole test suite on compiled kernels
+# The GPU validation run (an H100 or H200): the whole test suite on compiled kernels
 # (pytest-xdist), then the large tests and the compute-sanitizer memcheck subset side by side (the large
 # tests want GPU memory and one core, memcheck a core and little memory). Logs go to $1/<kind>/ (default
 # tests/gpu_logs/<kind>/, <kind> from the GPU's name, e.g. nvidia-h100: scripts/setup.sh): gpu_suite.log
 # (the suite, then the large tests, each with its slowest tests) and memcheck.log. Each step has its own
 # time limit in seconds, SUITE_TIMEOUT, LARGE_TIMEOUT and MEMCHECK_TIMEOUT; at the limit pytest gets an
-# interrupt, so the log still ends in its summary and durations. Needs jax-triton (carried as a wheel in
+# interrupt, so the log still ends in its summary and durations. Needs jax-triton (a wheel in
 # .whl/, see scripts/setup.sh).
 source "$(dirname "$0")/setup.sh"
 # setup.sh sets -e: a failing pytest would end the logged block there, skipping the rc line and the large
@@ -33,7 +33,7 @@ if "$PY" -c "import xdist" 2>/dev/null; then
   [ "$GROUPS_OK" = 1 ] && XDIST_LARGE="-n 2 --dist loadgroup"
 fi
 START=$SECONDS
-# XKERN_COMMIT: the commit the caller copied here (a device machine's copy may carry an older .git)
+# XKERN_COMMIT: the commit of the tree copied here (a copied working tree may carry an older .git)
 TREE=${XKERN_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null || echo unknown) ($(git status --porcelain 2>/dev/null | wc -l) paths changed)"}
 {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)," \

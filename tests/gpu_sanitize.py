@@ -42,7 +42,7 @@ def main():
             R.check(_np(x.grad), dx_ref, "dx")
             R.check(_np(w.grad), dw_ref, "dw", tol)
             count += 1
-    # Weights that are not contiguous (issue 16): a strided view, and one element expanded to n (a kernel
+    # Weights that are not contiguous: a strided view, and one element expanded to n (a kernel
     # indexing it as contiguous reads n elements of a 1-element allocation).
     for rows, n in [(33, 3), (65, 128), (9, 300), (3, 5000), (3, 16385), (2, 40000)]:
         big = (1 + 0.5 * torch.randn(2 * n, device="cuda", generator=g)).requires_grad_()

@@ -1,7 +1,7 @@
 """Run as a script, `python tests/scalars_fresh.py torch|jax` (tests/test_scalars.py does): each scalar argument
 as an odd type (numpy integers and floats, an int eps), then the plain Python value equal to it, in one
-process whose caches have never seen that call (issue 32: np.int64(5) == 5 and hashes alike, so a plan
-cached for the numpy call was reused by the plain one, and both failed inside the launch).
+process whose caches have never seen that call. np.int64(5) == 5 and hashes alike, so a plan cached for the
+numpy call is reused by the plain one: both must be right whichever comes first.
 
 Every case uses shapes and values no earlier case used, so every cache keyed on them (executors, recipes,
 jit traces) is as fresh as in a new process; the one process saves the imports. Each result is checked

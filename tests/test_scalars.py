@@ -1,8 +1,8 @@
-"""Issue 32: scalar arguments of any numeric type. numpy integers and floats (and an int eps) give the same
-results as the plain Python value, whichever comes first in a process (np.int64(5) == 5 and hashes alike:
-a plan cached for one is found for the other); bools, floats where an int is wanted, and 0-d tensors or
-arrays are refused with a TypeError naming the argument, before anything is cached (eps: test_hostile.py's
-item 5)."""
+"""Scalar arguments of any numeric type. numpy integers and floats (and an int eps) give the same results as
+the plain Python value, whichever comes first in a process (np.int64(5) == 5 and hashes alike: a plan cached
+for one is found for the other). Bools, floats where an int is wanted, and 0-d tensors or arrays are refused
+with a TypeError naming the argument, before anything is cached (eps: test_hostile.py's
+test_5_eps_wrong_type)."""
 
 from __future__ import annotations
 
