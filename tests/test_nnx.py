@@ -5,7 +5,10 @@ ULP thresholds. CPU: Triton's interpreter, tiny shapes."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -277,3 +280,11 @@ def test_readme_nnx_block_trains_as_flax_does():
     want = [float(ns["step"](flax_model, optimizer, ns["x"], ns["y"])) for _ in range(3)]
     assert want[-1] < want[0]  # it trains
     np.testing.assert_allclose(ns["losses"], want, rtol=1e-5)  # float32: the contract's 1e-5 of the value
+
+
+def test_import_jax_api_needs_no_flax():
+    code = "import sys, jax_api; assert not [m for m in sys.modules if m.split('.')[0] in ('flax', 'optax')]; " \
+           "assert 'jax_api.nnx' not in sys.modules; print('ok')"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
