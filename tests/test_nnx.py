@@ -29,6 +29,14 @@ EPS = 1e-6
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    """The models' Linear layers in full FP32 on a GPU too (TF32 there by default would turn a norm's last-bit
+    difference into a TF32 rounding of the next layer's input)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _np(a) -> np.ndarray:
     return np.asarray(a)
 
