@@ -72,7 +72,7 @@ class RMSNorm(nnx.RMSNorm):
     in one fused kernel (`jax_api.add_rms_norm`) where D holds x and residual exactly; otherwise the add is
     jnp's and the norm this module's. Differentiable (jit, grad, vmap, remat) as `jax_api.rms_norm`.
 
-    Differs from flax in the rounding of its intermediates only (docs/numerics.md): `scale * (x * rstd)` in
+    Differs from flax in the rounding of its intermediates only (docs/ops.md, "Flax NNX"): `scale * (x * rstd)` in
     float32 against flax's `x * (rstd * scale)` (the output one rounding to D in both); the backward is xkern's
     joint kernel (dx rounded once; d(scale) per-row terms rounded to D, summed in FP32 in a fixed order).
     Refused with ValueError: normalizing over several axes or another than the last, feature_axes other than the
