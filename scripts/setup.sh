@@ -5,6 +5,7 @@
 # the CUDA plugin for jax (no CUDA libraries, ~400 MB) let tests/test_export_cuda.py lower the GPU path.
 # kernels (Hugging Face's kernel hub client) for tests/test_hf.py's `kernelize` tests (0.17.2 here; transformers
 # 5.24 marks its classes for the hub and takes use_kernels=True only with 0.18.x, so those tests mark them).
+# flax (with optax) for jax_api.nnx and tests/test_nnx.py.
 # On a GPU machine: the system python3 and what is installed there, plus wheels carried in .whl/.
 set -e
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,11 +26,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
              awk '{print $1 ($2 == "" ? "" : "-" $2)}')
 else
   PYBIN=$(command -v python3.11 || (command -v pyenv >/dev/null && pyenv root >/dev/null && ls "$(pyenv root)"/versions/3.11*/bin/python3.11 2>/dev/null | head -1) || command -v python3)
-  if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, xdist, hypothesis, transformers, jax_triton, kernels" 2>/dev/null; then
+  if [ ! -x .venv/bin/python ] || ! JAX_PLATFORMS=cpu .venv/bin/python -c "import torch, triton, jax, ml_dtypes, pytest, xdist, hypothesis, transformers, jax_triton, kernels, flax, optax" 2>/dev/null; then
     "$PYBIN" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 jax==0.10.2 jaxlib==0.10.2 \
-      ml_dtypes "numpy<2.4" pytest pytest-xdist hypothesis ruff matplotlib transformers kernels jax-cuda13-plugin==0.10.2 jax-triton==0.3.1
+      ml_dtypes "numpy<2.4" pytest pytest-xdist hypothesis ruff matplotlib transformers kernels jax-cuda13-plugin==0.10.2 jax-triton==0.3.1 \
+      flax==0.12.8
     .venv/bin/python -m pip install -q --no-deps -e .
   fi
   # JAX with the CUDA plugin on a machine without CUDA prints a cuDNN traceback at its first call: this

@@ -36,7 +36,7 @@ def test_readme_runs_every_python_block_and_stays_short():
     README stays a user's entry point (details live in docs/)."""
     text = (ROOT / "README.md").read_text()
     assert re.findall(r"```python\n(.*?)```", text, re.S) == _readme_blocks()
-    assert len(text.splitlines()) <= 250
+    assert len(text.splitlines()) <= 290
 
 
 # ---------------------------------------------------------------------------------------------------
