@@ -1,0 +1,182 @@
+"""README's benchmarks section, from the current result set of every GPU kind in `benchmarks/results/`.
+
+    python -m benchmarks.readme [--readme README.md]
+
+One subsection per GPU kind (`benchmarks/results/<gpu>/<gpu>.json`, the main job's JSON): the GPU, the commit
+and date of the run, the versions, the RMSNorm plot, one table of xkern against its peers and of JAX against
+torch, and a small table of the host cost per eager call. The fused add's table and the MoE layer steps are
+linked where their JSONs are beside it. Ratios are stated as "time of the other / time of xkern", so above 1
+always means xkern (or, in the JAX column, the JAX front end) is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
+# What each peer's row label means, for the line under the table.
+PEERS = {
+    "quack": "quack (CuTe DSL kernels)",
+    "Liger": "Liger-Kernel",
+    "torch.compile": "torch.compile of the Llama expression (Inductor)",
+    "F.rms_norm": "torch.nn.functional.rms_norm",
+    "HF eager": "Hugging Face LlamaRMSNorm, eager",
+    "jax.jit (XLA)": "jax.jit of the Llama expression (XLA)",
+    "index_select": "torch.index_select of the rows",
+    "jnp.take": "jnp.take of the rows",
+    "jnp.take + mask": "jnp.take, padding rows masked to zero",
+    "previous (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
+    "previous (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
+}
+
+
+def _shape(row) -> str:
+    return "×".join(str(d) for d in row["shape"]) if isinstance(row["shape"], list) else str(row["shape"])
+
+
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(ln) + " |"
+                                                                           for ln in lines]
+
+
+def _ratios(rows) -> list[dict]:
+    """Per (op, pass, dtype, shape): best peer's time / xkern (torch)'s, and torch's time / JAX's."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("sweep") or r.get("frac") is None:
+            continue
+        groups.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[r["impl"]] = r
+    out = []
+    for (op, pass_, dtype, shape), by in groups.items():
+        xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
+        if not xk:
+            continue
+        peers = [(r["frac"], name) for name, r in by.items() if not name.startswith("xkern")]
+        best, peer = max(peers) if peers else (None, None)
+        out.append({"key": (op, pass_, dtype), "shape": shape, "frac": xk["frac"], "peer": peer,
+                    "vs_peer": xk["frac"] / best if best else None,
+                    "jax": xj["frac"] / xk["frac"] if xj and xj.get("frac") else None})
+    return out
+
+
+def _worst(sel, key):
+    vals = [r for r in sel if r[key] is not None]
+    return min(vals, key=lambda r: r[key]) if vals else None
+
+
+def _versions(v: dict) -> str:
+    names = [("torch", "torch"), ("triton", "triton"), ("jax", "jax"), ("jax-triton", "jax-triton"),
+             ("liger-kernel", "Liger-Kernel"), ("quack-kernels", "quack"), ("driver", "driver")]
+    return ", ".join(f"{label} {v[key]}" for key, label in names if v.get(key))
+
+
+def _host(results) -> list[str]:
+    """xkern's eager call beside torch's own op (F.rms_norm) and the fastest other peer, µs per call."""
+    host = {(h["op"], h["pass"], h["impl"]): h for h in results.get("host", []) if "wall_us" in h}
+    lines = []
+    for (op, pass_, impl), h in host.items():
+        if impl != "xkern (torch)":
+            continue
+        native = host.get((op, pass_, "F.rms_norm"))
+        others = [(o["wall_us"], i) for (o_op, o_pass, i), o in host.items()
+                  if (o_op, o_pass) == (op, pass_) and i not in ("xkern (torch)", "F.rms_norm")
+                  and not i.startswith("floor")]
+        fastest = min(others) if others else None
+        lines.append([f"{op} {PASS_NAMES[pass_]}", str(h.get("shape", "")), f"{h['wall_us']:.1f}",
+                      f"{native['wall_us']:.1f}" if native else "",
+                      f"{h['wall_us'] / native['wall_us']:.2f}" if native else "",
+                      f"{fastest[0]:.1f} ({fastest[1]})" if fastest else ""])
+    if not lines:
+        return []
+    return ["", "Host cost of one eager call (µs, a tight loop synchronized once; x 16×4096 bf16 for RMSNorm):",
+            ""] + _table(["call", "shape", "xkern", "F.rms_norm", "xkern / F.rms_norm", "fastest other"], lines)
+
+
+def section(json_path: str, readme_dir: str) -> str:
+    with open(json_path) as f:
+        results = json.load(f)
+    folder = os.path.dirname(os.path.abspath(json_path))
+    stem = os.path.splitext(os.path.basename(json_path))[0]
+    rel = os.path.relpath(os.path.join(folder, stem), readme_dir)
+    commit = results.get("kernels_commit") or results.get("commit", "?")
+    out = [f"### {results['gpu']}", "",
+           f"Commit {commit}, {results['date']}; {_versions(results.get('versions', {}))}. Copy ceiling "
+           f"{results['ceiling']['gbps']:.0f} GB/s (device-to-device copy, bytes read + written)."]
+    if results.get("kernels_note"):
+        out += ["", results["kernels_note"]]
+    if os.path.exists(os.path.join(folder, f"{stem}-rms_norm.png")):
+        out += ["", f"![RMSNorm on {results['gpu']}]({rel}-rms_norm.png)"]
+    rs = _ratios(results["rows"])
+    lines, peers_seen = [], set()
+    for key in dict.fromkeys(r["key"] for r in rs):
+        sel = [r for r in rs if r["key"] == key]
+        w, j = _worst(sel, "vs_peer"), _worst(sel, "jax")
+        if w:
+            peers_seen.add(w["peer"])
+        fr = [r["frac"] for r in sel]
+        lines.append([key[0], PASS_NAMES[key[1]], key[2], str(len(sel)), f"{min(fr):.2f}–{max(fr):.2f}",
+                      f"{w['vs_peer']:.2f} at {w['shape']} ({w['peer']})" if w else "",
+                      f"{j['jax']:.2f} at {j['shape']}" if j else ""])
+    out += ["", "Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, "
+            "as a fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, "
+            "the smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). "
+            "*Slowest JAX against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is "
+            "as fast).", ""]
+    out += _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
+                   "slowest against the best peer", "slowest JAX against torch"], lines)
+    named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
+    if named:
+        out += ["", "Peers named above: " + "; ".join(named) + "."]
+    out += _host(results)
+    links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
+    for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),
+                          ("-jax-moe-layer.md", "JAX MoE layer")):
+        if os.path.exists(os.path.join(folder, stem + suffix)):
+            links.append(f"[{label}]({rel}{suffix})")
+    for md in sorted(glob.glob(os.path.join(folder, f"{stem}-moe-layer-*.md"))):
+        size = os.path.basename(md)[len(stem) + len("-moe-layer-"):-3]
+        links.append(f"[MoE layer, {size}]({os.path.relpath(md, readme_dir)})")
+    out += ["", "More: " + ", ".join(links) + "."]
+    return "\n".join(out) + "\n"
+
+
+def body(readme_dir: str, results_dir: str | None = None) -> str:
+    results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
+    kinds = sorted(d for d in os.listdir(results_dir) if os.path.exists(os.path.join(results_dir, d, d + ".json")))
+    parts = ["One run of the main benchmark per GPU kind, each at one commit; how it is measured: "
+             "[`docs/benchmarks.md`](docs/benchmarks.md).", ""]
+    for kind in kinds:
+        parts.append(section(os.path.join(results_dir, kind, kind + ".json"), readme_dir))
+    return "\n".join(parts)
+
+
+def update(readme: str, text: str) -> bool:
+    with open(readme) as f:
+        old = f.read()
+    if BEGIN not in old or END not in old:
+        return False
+    head, rest = old.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme, "w") as f:
+        f.write(f"{head}{BEGIN}\n## Benchmarks\n\n{text}{END}{tail}")
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="README's benchmarks section from benchmarks/results/")
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    args = parser.parse_args(argv)
+    if not update(args.readme, body(os.path.dirname(os.path.abspath(args.readme)))):
+        print(f"{args.readme}: no benchmarks section markers")
+        return 1
+    print(f"{args.readme}: benchmarks section written")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
