@@ -44,9 +44,6 @@ import tempfile
 import time
 import traceback
 
-import triton
-import triton.language as tl
-
 WARMUP_MS = 25
 REP_MS = 100
 L2_BYTES = 60 * 10**6          # H200 L2 (50 MB on the datasheet; rounded up for margin)
@@ -242,23 +239,26 @@ def error_status(err: BaseException) -> str:
 # One device-time method for torch and JAX: the profiler's kernels
 
 
-@triton.jit
-def _l2_flush_kernel(buf, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(buf + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
-
-
 @functools.cache
-def _flush_buffer():
+def _flusher():
+    """(kernel, buffer): a Triton kernel named `FLUSH_KERNEL` and the `L2_BYTES` it writes. Made on first use:
+    importing triton here at import time would precede a caller's TRITON_INTERPRET."""
     import torch
+    import triton
+    import triton.language as tl
 
-    return torch.empty(L2_BYTES // 4, dtype=torch.int32, device="cuda")
+    @triton.jit
+    def _l2_flush_kernel(buf, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(buf + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+
+    return _l2_flush_kernel, torch.empty(L2_BYTES // 4, dtype=torch.int32, device="cuda")
 
 
 def l2_flush() -> None:
     """Evict L2 by writing `L2_BYTES` with a kernel whose name (`FLUSH_KERNEL`) marks a round's start."""
-    buf = _flush_buffer()
-    _l2_flush_kernel[(triton.cdiv(buf.numel(), 4096),)](buf, buf.numel(), BLOCK=4096)
+    kernel, buf = _flusher()
+    kernel[(-(-buf.numel() // 4096),)](buf, buf.numel(), BLOCK=4096)
 
 
 def device_activities(trace: dict) -> list[dict]:
