@@ -5,6 +5,13 @@ records XLA's kernels too: its kernels listed here show it), beside the earlier 
 under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time to issue one call.
 
     python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick]
+    python3 -m tools.jax_torch_profile --ptxas [--out DIR]
+
+`--ptxas` (no GPU needed; run where the GPU's jax is installed): the two front ends compile the same PTX
+(Triton's, the same specialization), but torch's launcher assembles it with Triton's bundled ptxas and
+jax-triton's custom call with XLA's ptxas (jaxlib's `CompileGpuAsm`, at first launch). For each RMSNorm
+kernel at 32768x128 bf16, every ptxas found: its version, registers and a hash of the SASS; a differing
+hash is machine code that differs between the front ends.
 
 Reading it: the same kernels with the same device time in both front ends, and a JAX loop time above
 the JAX device time by about the JAX host issue time, say that the difference the loop measured is host
@@ -100,11 +107,113 @@ def text(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------
+# --ptxas: the machine code each front end's assembler makes of the same PTX
+
+
+def ptxas_found() -> dict:
+    """{label: path} of the ptxas binaries a process may use: Triton's (torch's launches) and those XLA looks
+    for (the pip CUDA packages, the CUDA toolkit, PATH)."""
+    import glob
+    import shutil
+    import site
+
+    import triton
+
+    found = {"triton (torch_api)": os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")}
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    for path in sorted({p for root in roots for p in glob.glob(os.path.join(root, "nvidia", "*", "bin", "ptxas"))}):
+        found[f"pip {path.split(os.sep)[-3]} (XLA's first choice)"] = path
+    for label, path in (("CUDA toolkit", "/usr/local/cuda/bin/ptxas"), ("PATH", shutil.which("ptxas"))):
+        if path and os.path.exists(path) and path not in found.values():
+            found[label] = path
+    return {k: v for k, v in found.items() if os.path.exists(v)}
+
+
+def _assemble(ptxas: str, ptx: str) -> dict:
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        run = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", out], capture_output=True, text=True)
+        if run.returncode:
+            return {"version": version, "error": run.stderr.strip()[-300:]}
+        regs = re.search(r"Used (\d+) registers", run.stderr)
+        with open(out, "rb") as f:
+            cubin = f.read()
+    return {"version": version, "registers": int(regs[1]) if regs else None, **_sass_of(cubin)}
+
+
+def _sass_of(cubin: bytes) -> dict:
+    import hashlib
+    import re
+
+    from xkern.compile_check import sass
+
+    listing = sass(type("Compiled", (), {"asm": {"cubin": cubin}})())
+    ins = [re.sub(r"/\*[0-9a-fx]+\*/", "", line).strip() for line in listing.splitlines()
+           if re.match(r"^\s+/\*[0-9a-f]{4}\*/", line)]
+    return {"instructions": len(ins), "sass": hashlib.sha1("\n".join(ins).encode()).hexdigest()[:16]}
+
+
+def ptxas_rows() -> list[dict]:
+    """Per RMSNorm kernel at 32768x128 bf16 (forward, backward, dw reduce): each ptxas's machine code."""
+    import triton
+
+    from xkern.compile_check import TARGET, source
+    from xkern.rms_norm import rms_norm_bwd_recipe, rms_norm_fwd_recipe
+
+    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "DW_PARTIAL": "*fp32",
+            "DW": "*bf16", "STATS": "*fp32"}
+    found = ptxas_found()
+    rows = []
+    for recipe in (rms_norm_fwd_recipe(32768, 128, 1e-6, "bfloat16", "bfloat16"),
+                   rms_norm_bwd_recipe(32768, 128, 1e-6, "bfloat16", "bfloat16")):
+        for launch in (s.launch for s in recipe.steps if s.launch is not None):
+            compiled = triton.compile(source(launch, ptrs), target=TARGET,
+                                      options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+            row = {"kernel": launch.kernel.fn.__name__, "triton_cubin": _sass_of(compiled.asm["cubin"])}
+            row["ptxas"] = {label: _assemble(path, compiled.asm["ptx"]) for label, path in found.items()}
+            rows.append(row)
+    return rows
+
+
+def ptxas_text(rows: list[dict]) -> str:
+    lines = ["Machine code of the same PTX by each ptxas (registers, SASS instructions, SASS hash):"]
+    for row in rows:
+        t = row["triton_cubin"]
+        lines.append(f"## {row['kernel']} (Triton's own cubin, torch_api's binary: {t['instructions']} instructions, "
+                     f"sass {t['sass']})")
+        hashes = {r.get("sass") for r in row["ptxas"].values()} | {t["sass"]}
+        for label, r in row["ptxas"].items():
+            lines.append(f"    {label:<34} {r['version']:<48} " + (f"error: {r['error']}" if "error" in r else
+                         f"{r['registers']} regs, {r['instructions']} instructions, sass {r['sass']}"))
+        lines.append("    same machine code from every ptxas" if len(hashes) == 1 else
+                     "    DIFFERENT machine code: the front ends run different binaries of the same kernel")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for jax_torch_profile.json and .txt")
     parser.add_argument("--cases", choices=tuple(CASES), default="all")
+    parser.add_argument("--ptxas", action="store_true", help="compare the ptxas binaries' machine code (no GPU; "
+                        "run without TRITON_INTERPRET)")
     args = parser.parse_args(argv)
+    if args.ptxas:
+        rows = ptxas_rows()
+        report = ptxas_text(rows)
+        print(report)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "jax_torch_ptxas.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     from benchmarks.main import GPU  # noqa: I001 - first: sets the platform env on CPU
     from benchmarks import timing
 
