@@ -11,7 +11,9 @@ under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time t
 (Triton's, the same specialization), but torch's launcher assembles it with Triton's bundled ptxas and
 jax-triton's custom call with XLA's ptxas (jaxlib's `CompileGpuAsm`, at first launch). For each RMSNorm
 kernel at 32768x128 bf16, every ptxas found: its version, registers and a hash of the SASS; a differing
-hash is machine code that differs between the front ends.
+hash is machine code that differs between the front ends. Then the StableHLO that jax_api.rms_norm's
+forward, backward and forward + backward lower to for CUDA (`jax.export`): every op, each kernel call by
+its kernel's name, so that any op around the kernels (a fill, copy, transpose, convert) shows.
 
 Reading it: the same kernels with the same device time in both front ends, and a JAX loop time above
 the JAX device time by about the JAX host issue time, say that the difference the loop measured is host
@@ -198,6 +200,49 @@ def ptxas_text(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def hlo_ops() -> dict:
+    """{pass: [op, ...]}: the StableHLO ops of jax_api.rms_norm at 32768x128 bf16 lowered for CUDA, each
+    `triton_kernel_call` named by its kernel."""
+    import re
+    import zlib
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_api
+    from jax_api._launch import gpu_lowering
+
+    x, w = jax.ShapeDtypeStruct((32768, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.bfloat16)
+
+    def fwd(x, w):
+        return jax_api.rms_norm(x, w, 1e-6)
+
+    def bwd(x, w, dy):
+        return jax.vjp(fwd, x, w)[1](dy)
+
+    def train(x, w, dy):
+        y, vjp = jax.vjp(fwd, x, w)
+        return y, vjp(dy)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+    out = {}
+    with gpu_lowering():
+        for name, f, args in (("fwd", fwd, (x, w)), ("bwd", bwd, (x, w, x)), ("fwd+bwd", train, (x, w, x))):
+            text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+            ops = []
+            for m in re.finditer(r'(stablehlo\.\w+)(?: @(\w+))?(.*?backend_config = "((?:[^"\\]|\\.)*)")?',
+                                 text.split("func.func public @main", 1)[1]):
+                if m[1] == "stablehlo.custom_call" and m[4]:
+                    raw = re.sub(rb"\\(\\|[0-9A-Fa-f]{2})",
+                                 lambda g: b"\\" if g[1] == b"\\" else bytes([int(g[1], 16)]), m[4].encode("latin-1"))
+                    kernel = re.search(rb"\.globl\s+(\w+)", zlib.decompress(raw))
+                    ops.append(f"{m[2]}: {kernel[1].decode() if kernel else '?'}")
+                else:
+                    ops.append(m[1])
+            out[name] = ops
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for jax_torch_profile.json and .txt")
@@ -207,12 +252,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.ptxas:
         rows = ptxas_rows()
-        report = ptxas_text(rows)
+        ops = hlo_ops()
+        report = ptxas_text(rows) + "\n\nStableHLO of jax_api.rms_norm at 32768x128 bf16, lowered for CUDA:\n" + \
+            "\n".join(f"    {name}: {', '.join(o)}" for name, o in ops.items())
         print(report)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "jax_torch_ptxas.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({"ptxas": rows, "stablehlo": ops}, f, indent=1)
         return 0
     from benchmarks.main import GPU  # noqa: I001 - first: sets the platform env on CPU
     from benchmarks import timing
