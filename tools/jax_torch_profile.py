@@ -11,7 +11,9 @@ under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time t
 (Triton's, the same specialization), but torch's launcher assembles it with Triton's bundled ptxas and
 jax-triton's custom call with XLA's ptxas (jaxlib's `CompileGpuAsm`, at first launch). For each RMSNorm
 kernel at 32768x128 bf16, every ptxas found: its version, registers and a hash of the SASS; a differing
-hash is machine code that differs between the front ends. Then the StableHLO that jax_api.rms_norm's
+hash is machine code that differs between the front ends (XLA takes the pip CUDA packages' ptxas, then
+the toolkit's, then PATH's; `TRITON_PTXAS_PATH=<that ptxas>` gives torch's launches the same assembler, and
+Triton then writes the same PTX for both). Then the StableHLO that jax_api.rms_norm's
 forward, backward and forward + backward lower to for CUDA (`jax.export`): every op, each kernel call by
 its kernel's name, so that any op around the kernels (a fill, copy, transpose, convert) shows.
 
@@ -125,7 +127,7 @@ def ptxas_found() -> dict:
     found = {"triton (torch_api)": os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")}
     roots = site.getsitepackages() + [site.getusersitepackages()]
     for path in sorted({p for root in roots for p in glob.glob(os.path.join(root, "nvidia", "*", "bin", "ptxas"))}):
-        found[f"pip {path.split(os.sep)[-3]} (XLA's first choice)"] = path
+        found[f"pip {path.split(os.sep)[-3]} (XLA: searched first)"] = path
     for label, path in (("CUDA toolkit", "/usr/local/cuda/bin/ptxas"), ("PATH", shutil.which("ptxas"))):
         if path and os.path.exists(path) and path not in found.values():
             found[label] = path
