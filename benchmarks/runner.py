@@ -175,7 +175,7 @@ def _feed(dst, src):
 def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
     """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input.
 
-    fwd+bwd with `dependent` (the default since 2026-12-04, session 14): the cotangent waits for this step's y
+    fwd+bwd with `dependent` (the default since 2026-12-04): the cotangent waits for this step's y
     (an optimization barrier over both), as in a model, where it comes from the layers after this one.
     Without it XLA may fuse its forward and backward into one pass over x (the cotangent, the previous y,
     is there from the start), which no model step allows and torch's autograd never does (forward and
