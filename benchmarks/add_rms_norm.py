@@ -3,8 +3,10 @@ backward, as a table of its own (`add_rms_norm_table`, run by benchmarks/main.py
 
 The runner's `Op` takes one output and one cotangent; this op has two of each (y and residual_out, whose
 gradient a decoder layer always has), so it is timed here with the runner's timing functions: torch in CUDA
-graphs (`timing.torch_device_us`, L2 flushed), JAX inside one jitted loop whose outputs feed the next
-inputs (`timing.jax_device_us`). Minimum bytes (one 16-bit dtype): forward reads x, residual, w and writes
+graphs (`timing.torch_device_us`, L2 flushed); xkern (torch) also, and every JAX implementation only, by the
+profiler's device time (`timing.profile_device_us`) of one call per input set, each JAX call a jitted
+program of its own (XLA cannot fuse one call's outputs into the next call, as a loop carrying them let it:
+its forward once timed at the copy ceiling). Minimum bytes (one 16-bit dtype): forward reads x, residual, w and writes
 y, residual_out; backward reads dy, d(residual_out), residual_out, w and writes d(sum) (serving as dx and
 dresidual) and dw; forward + backward is the sum. Checks before timing: xkern's y, residual_out, dx on
 sampled rows against the FP64 oracle, and its JAX front end bit for bit its torch front end.
@@ -18,7 +20,7 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks.rms_norm import EPS, hf_rms_norm
-from benchmarks.runner import as_torch, invalid_if_above_ceiling, same_bits_torch, to_jax
+from benchmarks.runner import as_torch, invalid_if_above_ceiling, profile_fields, same_bits_torch, to_jax
 from benchmarks.timing import error_status
 from xkern import reference as R
 from xkern.testing import same_bits, to_numpy, torch_dtype
@@ -155,28 +157,21 @@ def _torch_calls(fn, pass_, sets):
     return make
 
 
-def _jax_loop(fn, pass_, sets):
-    """(step, consts, state) for timing.jax_device_us: every output feeds the next step's inputs; in
-    fwd+bwd the cotangents (the previous outputs) wait for this step's outputs, as in a model."""
+def _jax_calls(fn, pass_, sets):
+    """For timing.profile_device_us: one jitted call per input set, every output returned; in fwd+bwd the
+    cotangents wait for this call's outputs (an optimization barrier), as in a model."""
     import jax
-    import jax.numpy as jnp
 
-    w = sets[0][0][2]
     if pass_ == "fwd":
-        def step(w, state):
-            return tuple(fn(x, r, w) for x, r in state)
-        return step, w, tuple((jnp.copy(a[0]), jnp.copy(a[1])) for a, _ in sets)
+        f = jax.jit(fn)
+        return [functools.partial(f, *args) for args, _ in sets]
 
-    def step(w, state):  # state per set: (x, r), (dy, ds), the last dw (kept: XLA would drop its reduction)
-        out = []
-        for (x, r), (dy, ds), _ in state:
-            (y, s), vjp = jax.vjp(fn, x, r, w)
-            (y, s), (dy, ds) = jax.lax.optimization_barrier(((y, s), (dy, ds)))
-            dx, dr, dw = vjp((dy, ds))
-            out.append(((dx, dr), (y, s), dw))
-        return tuple(out)
-    return step, w, tuple(((jnp.copy(a[0]), jnp.copy(a[1])), (jnp.copy(c[0]), jnp.copy(c[1])), jnp.zeros_like(w))
-                          for a, c in sets)
+    def step(args, cots):
+        (y, s), vjp = jax.vjp(fn, *args)
+        (y, s), cots = jax.lax.optimization_barrier(((y, s), tuple(cots)))
+        return (y, s), vjp(cots)
+    f = jax.jit(step)
+    return [functools.partial(f, tuple(args), tuple(cots)) for args, cots in sets]
 
 
 def _check_xkern(x, r, w, dy, ds, got) -> str | None:
@@ -257,11 +252,11 @@ def add_rms_norm_table(device: str, ceiling: float, log, dtype: str = "bfloat16"
                     try:
                         if framework == "torch":
                             row["us"], row["timing"] = timing.torch_device_us(_torch_calls(fn, pass_, sets))
+                            if name.startswith("xkern"):  # the JAX rows' method, for the JAX / torch ratio
+                                row.update(profile_fields(_torch_calls(fn, pass_, sets)(), timing.torch_sync))
                         else:
-                            step, consts, state = _jax_loop(fn, pass_, jsets)
-                            us, row["timing"] = timing.jax_device_us(step, consts, state,
-                                                                     len(jsets) * nbytes / (0.5 * ceiling * 1e3))
-                            row["us"] = us / len(jsets)
+                            row.update(profile_fields(_jax_calls(fn, pass_, jsets), timing.jax_sync))
+                            row.update(us=row["profile_us"], timing=row["profile_timing"])
                     except Exception as err:  # noqa: BLE001
                         row["status"] = error_status(err)
                     if row["us"]:

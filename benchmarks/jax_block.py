@@ -2,10 +2,16 @@
 them into its own kernels) against xkern's `rms_norm` and fused `add_rms_norm` at the second norm.
 
 Block (pre-norm, as Hugging Face's Llama decoder layer): h = x + attn(norm1(x)); out = h + mlp(norm2(h)).
-xkern computes `norm2(x + attn)` and the residual `h` in one kernel (`jax_api.add_rms_norm`). The step is
-`vjp` of the block's output against a fixed cotangent: the gradient of x and of every weight. Device time
-per step: `timing.jax_device_us` (a jitted `fori_loop` of steps, each step's dx feeding the next step's x;
-the step rescales it so the values stay finite). Sizes: `SIZES` (two, the torch block's and a larger one).
+xkern computes `norm2(x + attn)` and the residual `h` in one kernel (`jax_api.add_rms_norm`; norm1 has no add
+before it: `jax_api.rms_norm`). The step is `vjp` of the block's output against a fixed cotangent: the
+gradient of x and of every weight, all returned. Device time per step: `timing.profile_device_us` (the
+profiler's device activities of one jitted step, L2 flushed before it; the benchmark's JAX method), with
+the kernels each step launches (`kernels`). Sizes: `SIZES` (two, the torch block's and a larger one).
+
+    python -m benchmarks.jax_block [--out DIR] [--profile]
+
+`--profile`: per configuration, every kernel of a step with its count and device µs per step, and the
+totals by kind (xkern's Triton kernels, XLA's fusions, matmuls, attention, other).
 """
 
 from __future__ import annotations
@@ -70,20 +76,28 @@ def block(params, x, norm: str, heads: int):
 
 @functools.cache
 def _step(norm: str, heads: int):
+    """The jitted training step: (dparams, dx) of the block at (params, x) against dy."""
     import jax
-    import jax.numpy as jnp
 
-    def step(consts, x):
-        params, dy = consts
+    def step(params, x, dy):
         _, vjp = jax.vjp(lambda p, x: block(p, x, norm, heads), params, x)
-        dparams, dx = vjp(dy)
-        # keep x's scale from step to step (the loop feeds dx back as x); the weights' gradients must be
-        # computed, so they enter the carry through a term that is zero in value but not to the compiler
-        touch = sum(jnp.sum(g.astype(jnp.float32)) for g in jax.tree_util.tree_leaves(dparams)) * 0.0
-        dxf = dx.astype(jnp.float32)
-        return (dxf * jax.lax.rsqrt(jnp.mean(dxf * dxf) + 1e-12) + touch).astype(x.dtype)
+        return vjp(dy)
 
-    return step
+    return jax.jit(step)
+
+
+def kind(name: str) -> str:
+    """A kernel's kind by its name (CUPTI's): xkern's Triton kernels, XLA's fusions, matmuls, attention."""
+    low = name.lower()
+    if "rms_norm" in low or "add_rms" in low or "dw_reduce" in low:
+        return "xkern (Triton)"
+    if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul", "dot")):
+        return "matmul"
+    if any(k in low for k in ("flash", "fmha", "attention", "cudnn")):
+        return "attention"
+    if "fusion" in low or "loop_" in low or "input_" in low or "reduce" in low:
+        return "XLA fusion"
+    return "other"
 
 
 def _check(cfg: dict) -> str:
@@ -103,7 +117,8 @@ def _check(cfg: dict) -> str:
 
 
 def jax_block_table(device: str, log) -> list[dict]:
-    """One row per (size, norm): device µs per training step, the jnp and xkern steps of a size timed in turn."""
+    """One row per (size, norm): device µs per training step (`timing.profile_device_us`) and the step's
+    kernels, the jnp and xkern steps of a size timed in turn."""
     import jax
     import jax.numpy as jnp
 
@@ -121,9 +136,10 @@ def jax_block_table(device: str, log) -> list[dict]:
                 shape = (cfg["batch"], cfg["seq"], cfg["dim"])
                 x = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
                 dy = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
-                est = 2.0 * cfg["seq"] * cfg["dim"] * (4 * cfg["dim"] + 3 * cfg["hidden"]) * 3 / 400e6
-                row["device_us"], row["timing"] = timing.jax_device_us(_step(norm, cfg["heads"]), (params, dy), x,
-                                                                        est)
+                step = functools.partial(_step(norm, cfg["heads"]), params, x, dy)
+                row["device_us"], row["timing"], row["kernels"] = timing.profile_device_us([step], timing.jax_sync)
+                for k in row["kernels"]:
+                    k["kind"] = kind(k["name"])
                 log(f"jax block {cfg['dim']}x{cfg['seq']} with {norm} norms: {row['device_us']:.0f} µs/step")
             except Exception as err:  # noqa: BLE001
                 row["status"] = error_status(err)
@@ -131,7 +147,23 @@ def jax_block_table(device: str, log) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":  # python -m benchmarks.jax_block [--out DIR]: rows printed, and into DIR if given
+def profile_text(rows: list[dict]) -> str:
+    """Per configuration and norm: the totals by kind, then every kernel (count and µs per step)."""
+    out = []
+    for row in rows:
+        cfg = row["config"]
+        out.append(f"## {cfg['dim']}x{cfg['seq']} (batch {cfg['batch']}), {row['norm']} norms: "
+                   + (f"{row['device_us']:.1f} µs/step" if row.get("device_us") else row.get("status", "")))
+        kernels = row.get("kernels") or []
+        by_kind: dict = {}
+        for k in kernels:
+            by_kind[k["kind"]] = by_kind.get(k["kind"], 0.0) + k["us"]
+        out += [f"  {name:<16} {us:9.1f} µs" for name, us in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+        out += [f"    {k['us']:9.2f} µs  x{k['count']:<5.3g} {k['kind']:<15} {k['name'][:110]}" for k in kernels]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # rows printed, and into DIR if given; --profile: the kernel table too
     import argparse
     import json
     import os
@@ -139,7 +171,8 @@ if __name__ == "__main__":  # python -m benchmarks.jax_block [--out DIR]: rows p
     from benchmarks.main import GPU, commit, gpu_kind  # noqa: I001 - first: sets the platform env on CPU
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="directory for <gpu kind>-jax-block.json")
+    parser.add_argument("--out", help="directory for <gpu kind>-jax-block.json (and -jax-block-profile.txt)")
+    parser.add_argument("--profile", action="store_true", help="print every kernel of each step, by kind")
     args = parser.parse_args()
     import torch
 
@@ -147,7 +180,13 @@ if __name__ == "__main__":  # python -m benchmarks.jax_block [--out DIR]: rows p
     timing.set_smoke(not GPU)
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
     rows = jax_block_table(dev, print)
+    text = profile_text(rows) if args.profile else ""
+    if text:
+        print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, gpu_kind(gpu) + "-jax-block.json"), "w") as f:
             json.dump({"gpu": gpu, "commit": commit(), "smoke": timing.smoke(), "rows": rows}, f, indent=1)
+        if text:
+            with open(os.path.join(args.out, gpu_kind(gpu) + "-jax-block-profile.txt"), "w") as f:
+                f.write(text + "\n")

@@ -76,8 +76,47 @@ def _frac_table(rows, extra=()) -> list[str]:
     return _table(["shape"] + present + [title for title, _ in extra], lines)
 
 
+def _jax_speed(xk: dict, xj: dict | None) -> float | None:
+    """JAX's speed over torch's for xkern (torch µs / JAX µs; below 1, JAX is slower): by the same method,
+    the profiler's (`profile_us`), where both rows have it (results before it: the two rows' fractions)."""
+    if not xj:
+        return None
+    if xk.get("profile_us") and xj.get("profile_us"):
+        return xk["profile_us"] / xj["profile_us"]
+    return xj["frac"] / xk["frac"] if xj.get("frac") and xk.get("frac") else None
+
+
+def jax_torch(rows) -> list[dict]:
+    """Per (op, pass, dtype, shape): xkern's torch and JAX front ends' device µs per call by the same method
+    (`timing.profile_device_us`) and `ratio` = torch µs / JAX µs (below 1: JAX is slower)."""
+    out = []
+    mine = [r for r in rows if r.get("impl") in ("xkern (torch)", "xkern (jax)")]
+    for (op, pass_, dtype, shape), by in _group(mine, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
+        t, j = ((by.get(i) or {}).get("profile_us") for i in ("xkern (torch)", "xkern (jax)"))
+        if t and j:
+            names = [sorted(k["name"] for k in by[i].get("kernels", [])) for i in ("xkern (torch)", "xkern (jax)")]
+            out.append({"op": op, "pass": pass_, "dtype": dtype, "shape": shape, "torch_us": t, "jax_us": j,
+                        "ratio": t / j, "same_kernels": names[0] == names[1]})
+    return out
+
+
+def jax_torch_table(rows) -> list[str]:
+    jt = jax_torch(rows)
+    if not jt:
+        return []
+    ratios_ = sorted(r["ratio"] for r in jt)
+    out = ["", "**xkern, JAX against torch** (the same kernels; device µs per call by the same method: the "
+           "profiler's device activities of one call per input set, L2 flushed per round; ratio = torch µs / "
+           f"JAX µs, below 1: JAX is slower). Median {ratios_[len(ratios_) // 2]:.3f}, worst {ratios_[0]:.3f}.", ""]
+    out += _table(["op", "pass", "dtype", "shape", "torch µs", "JAX µs", "torch / JAX", "same kernels"],
+                  [[r["op"], r["pass"], r["dtype"], r["shape"], f"{r['torch_us']:.2f}", f"{r['jax_us']:.2f}",
+                    f"{r['ratio']:.3f}", "yes" if r["same_kernels"] else "no"] for r in jt])
+    return out
+
+
 def ratios(rows) -> list[dict]:
-    """Per (op, pass, dtype, shape): xkern (torch) over the best peer (device time), and JAX over torch."""
+    """Per (op, pass, dtype, shape): xkern (torch) over the best peer (device time), and JAX over torch
+    (`_jax_speed`)."""
     out = []
     for (op, pass_, dtype, shape), by in _group(rows, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
         xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
@@ -88,7 +127,7 @@ def ratios(rows) -> list[dict]:
         out.append({"op": op, "pass": pass_, "dtype": dtype, "shape": shape, "width": int(shape.split("×")[-1]),
                     "xkern": xk["frac"], "best_peer": peer, "peer_frac": best,
                     "ratio": xk["frac"] / best if best else None,
-                    "jax_ratio": xj["frac"] / xk["frac"] if xj and xj["frac"] else None})
+                    "jax_ratio": _jax_speed(xk, xj)})
     return out
 
 
@@ -198,6 +237,7 @@ def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
         out += ["", f"**{op}, {dtype}, {PASS_NAMES[pass_]}**", ""] + _frac_table(sel, extra)
     if "routing" in results.get("permute", {}):
         out += ["", f"Gathers: {results['permute']['routing']}; bytes (N + N_padded)·H·2; shape T×H."]
+    out += jax_torch_table(rows + results.get("add_rms_norm", []))
     out += host_tables(results)
     out += sweep_tables([r for r in results["rows"] if r.get("sweep")])
     if results.get("skipped"):
@@ -221,9 +261,10 @@ def summary(results: dict, sweep: dict | None, rel: str, plot_rel: str | None) -
     out = [_header(results), ""]
     if plot_rel:
         out += [f"![RMSNorm on {results['gpu']}]({plot_rel})", ""]
-    out += ["Device time (torch in CUDA graphs, JAX in one jitted loop), as a fraction of the copy ceiling over "
-            "the minimum bytes, across the benchmark's shapes; ratio: xkern (torch) over the best peer at the "
-            "same shape (≥ 1: xkern is at least as fast).", ""]
+    out += ["Device time (torch in CUDA graphs; JAX: the profiler's device time of one jitted call per input "
+            "set), as a fraction of the copy ceiling over the minimum bytes, across the benchmark's shapes; ratio: "
+            "xkern (torch) over the best peer at the same shape (≥ 1: xkern is at least as fast); worst JAX / "
+            "torch: xkern's torch µs over its JAX µs, both by the profiler (below 1: JAX is slower).", ""]
     lines = []
     for key in dict.fromkeys((r["op"], r["pass"], r["dtype"]) for r in rs):
         sel = [r for r in rs if (r["op"], r["pass"], r["dtype"]) == key]
@@ -398,6 +439,11 @@ def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) 
             paths = plots(results, out_dir, stem)
         except ImportError as err:
             log(f"plots: not drawn ({err}); run `python -m benchmarks.report {json_path}` where matplotlib is")
+    jt = jax_torch([r for r in results["rows"] if not r.get("sweep")] + results.get("add_rms_norm", []))
+    if jt and results.get("jax_torch") != jt:  # the JAX / torch table in the JSON too
+        results["jax_torch"] = jt
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
     md = markdown(results, os.path.basename(json_path), paths)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(md)

@@ -5,11 +5,14 @@ maker, minimum bytes, oracle check and implementations; `run_case` does the rest
 2. run every implementation once (forward, then the gradients of its differentiable inputs) and check the
    result against the reference: xkern must pass to be timed, and its JAX front end must equal its torch
    front end bit for bit (or pass the check on its own); peers' checks are reported only;
-3. time each pass of each implementation (`timing`): torch in CUDA graphs, JAX inside one jitted loop.
+3. time each pass of each implementation (`timing`): torch in CUDA graphs (`us`); xkern (torch) also, and
+   every JAX implementation only, by the profiler's device time of one call per input set
+   (`timing.profile_device_us`, `profile_us`; JAX: one jitted call per set, so XLA cannot carry work from
+   one call into the next). The JAX / torch ratio compares the two `profile_us`.
 
 Passes: `fwd` is the forward; `bwd` is `torch.autograd.grad` (JAX: the vjp) on a forward made beforehand;
 `fwd+bwd` is both (a training step; in JAX its cotangent waits for this step's y, as the layers after the op
-make it wait in a model: `jax_loop`). Implementations take `(*args, *consts)`: `args` are differentiable
+make it wait in a model: `jax_calls`). Implementations take `(*args, *consts)`: `args` are differentiable
 (x, weight), `consts` are not (indices), and each framework gets its own consts.
 """
 
@@ -172,7 +175,7 @@ def _feed(dst, src):
 def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
     """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input.
 
-    fwd+bwd with `dependent` (the default since 2026-12-04, session 14): the cotangent waits for this step's y
+    fwd+bwd with `dependent` (the default since 2026-12-04): the cotangent waits for this step's y
     (an optimization barrier over both), as in a model, where it comes from the layers after this one.
     Without it XLA may fuse its forward and backward into one pass over x (the cotangent, the previous y,
     is there from the start), which no model step allows and torch's autograd never does (forward and
@@ -213,6 +216,34 @@ def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
             out.append((tuple(vjp(cot)), _feed(cot, y)))
         return tuple(out)
     return step, consts, tuple((tuple(jnp.copy(a) for a in args), jnp.copy(cot)) for args, cot in sets)
+
+
+def jax_calls(fn, pass_: str, sets, consts) -> list:
+    """For `timing.profile_device_us`: one call per input set, each a jitted program of its own (XLA cannot
+    fuse one call's outputs into the next call's inputs), returning every output (nothing can be elided).
+    Backward: the vjp of a forward made beforehand. Forward + backward: the cotangent waits for this call's
+    y (an optimization barrier over both), as in a model (`jax_loop` says why)."""
+    import jax
+
+    if pass_ == "fwd":
+        f = jax.jit(lambda args, c: fn(*args, *c))
+        return [functools.partial(f, args, consts) for args, _ in sets]
+    if pass_ == "bwd":
+        g = jax.jit(lambda vjp, cot: vjp(cot))
+        return [functools.partial(g, jax.vjp(lambda *a: fn(*a, *consts), *args)[1], cot) for args, cot in sets]
+
+    def step(args, cot, c):
+        y, vjp = jax.vjp(lambda *a: fn(*a, *c), *args)
+        y, cot = jax.lax.optimization_barrier((y, cot))
+        return y, vjp(cot)
+    f = jax.jit(step)
+    return [functools.partial(f, args, cot, consts) for args, cot in sets]
+
+
+def profile_fields(calls, sync) -> dict:
+    """A row's profiler fields: `profile_us` (device µs per call), `profile_timing`, `kernels` per call."""
+    us, method, kernels = timing.profile_device_us(calls, sync)
+    return {"profile_us": us, "profile_timing": method, "kernels": kernels}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -325,11 +356,11 @@ def run_case(op: Op, case: Case, device: str, ceiling: float, log, timed: bool =
                             f["compiled_graphs"] = _compiled_graphs() - graphs_before
                             if f["compiled_graphs"] < 1:
                                 raise RuntimeError("torch.compile compiled no graph: would be eager, not reported")
+                        if xkern:  # the same method as the JAX rows, for the JAX / torch ratio
+                            f.update(profile_fields(torch_make_calls(fn, pass_, inputs)(), timing.torch_sync))
                     else:
-                        step, consts, state = jax_loop(fn, pass_, jsets, jconsts)
-                        est = len(jsets) * max(5.0, op.min_bytes(case, pass_) / (0.5 * ceiling * 1e3))
-                        us, method = timing.jax_device_us(step, consts, state, est)
-                        f.update(us=us / len(jsets), timing=f"{method}, {len(jsets)} input set(s) per iteration")
+                        f.update(profile_fields(jax_calls(fn, pass_, jsets, jconsts), timing.jax_sync))
+                        f.update(us=f["profile_us"], timing=f["profile_timing"])
                 except Exception as err:  # noqa: BLE001
                     f.update(us=None, status=error_status(err))
                 f["time_s"] = round(time.perf_counter() - start, 2)

@@ -1,19 +1,33 @@
 """How the benchmarks time things: the copy ceiling, device time of torch work, device time of JAX work,
 and host overhead per call.
 
+- One device-time method for both frameworks (`profile_device_us`; the xkern torch and JAX rows, every JAX
+  row, and the JAX / torch ratio): the calls of a pass, one per rotated input set, launched from the host,
+  each framework's call on its own (torch: eager; JAX: one jitted call per input set, so XLA cannot fuse one
+  call's outputs into the next call or skip work whose result is returned), under `torch.profiler` with
+  CUDA activities. CUPTI records every GPU activity of the process, XLA's kernels included. Before each
+  round of calls a Triton kernel of its own name (`_l2_flush_kernel`) writes `L2_BYTES` (the L2 state of
+  triton's do_bench), the device is synchronized, the calls are issued, the device is synchronized again;
+  per round, the durations of every kernel, memset and copy after the flush are summed, and the median
+  round is divided by the number of calls. Host launch gaps are not counted: this is the device's own time,
+  per kernel (`kernels` lists them). Kernels that overlap (several streams) would be counted twice.
+
 Smoke mode (`set_smoke(True)`; always without a CUDA GPU) runs every timed path through the same code a
 few times, marked as not a measurement: on CPU each call runs once (no CUDA graphs), on a GPU the graphs
 are captured and replayed under a short do_bench.
 
-- torch: the calls of one pass (one per rotated input set) are captured in one CUDA graph, and the graph's
-  replays are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median).
-  That is device time with no host launch gaps, autograd's included. If capture fails the eager calls are
-  timed the same way and the row's `timing` says so.
-- JAX: `n` calls of the pass run inside one jitted `lax.fori_loop` (two per iteration, so that XLA needs
-  no copy of the carry) whose carry feeds each output into the next call's input (nothing can be
-  hoisted); host wall time of the whole call, median of a few, divided by the number of calls. `n` is
-  static, so XLA knows the trip count (and need not read the loop predicate back to the host each
-  iteration); the per-call dispatch (~50 us) is spread over a ~50 ms run.
+- torch, `torch_device_us` (the torch peers' rows; xkern (torch)'s `us`, beside its `profile_us`): the
+  calls of one pass (one per rotated input set) are captured in one CUDA graph, and the graph's replays
+  are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median). That is
+  device time with no host launch gaps, autograd's included. If capture fails the eager calls are timed
+  the same way and the row's `timing` says so.
+- JAX, `jax_device_us` (the sharded step only): `n` calls of the pass run inside one jitted
+  `lax.fori_loop` (two per iteration, so that XLA needs no copy of the carry) whose carry feeds each
+  output into the next call's input (nothing can be hoisted); host wall time of the whole call, median of
+  a few, divided by the number of calls. `n` is static, so XLA knows the trip count (and need not read the
+  loop predicate back to the host each iteration); the per-call dispatch (~50 us) is spread over a ~50 ms
+  run. Host wall time: where the host issues kernels slower than the device runs them (small shapes), it
+  measures the host, and XLA may fuse one call's output into the next call.
 - Inputs: a shape whose working set fits in L2 is run over several input sets in turn (`n_sets`), so each
   call reads its inputs from HBM.
 """
@@ -21,9 +35,12 @@ are captured and replayed under a short do_bench.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -34,6 +51,9 @@ ROTATE_BYTES = 4 * L2_BYTES    # rotated input sets of a small shape add up to a
 MAX_SETS = 16
 JAX_TARGET_MS = 50             # one timed JAX call runs about this long
 JAX_REPEATS = 5
+PROFILE_ROUNDS = 20            # rounds of calls under the profiler; the median round counts
+PROFILE_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")  # the chrome trace's device activities
+FLUSH_KERNEL = "_l2_flush_kernel"
 SMOKE_NOTE = "smoke: run through once, not a measurement"
 _smoke = False
 
@@ -213,3 +233,117 @@ def error_status(err: BaseException) -> str:
     """A result row's status for a failed implementation; the traceback's last frames go to stderr."""
     print("".join(traceback.format_exception(err, limit=-4)), file=sys.stderr, flush=True)
     return f"error: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# One device-time method for torch and JAX: the profiler's kernels
+
+
+@functools.cache
+def _flusher():
+    """(kernel, buffer): a Triton kernel named `FLUSH_KERNEL` and the `L2_BYTES` it writes. Made on first use:
+    importing triton here at import time would precede a caller's TRITON_INTERPRET."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _l2_flush_kernel(buf, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(buf + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+
+    return _l2_flush_kernel, torch.empty(L2_BYTES // 4, dtype=torch.int32, device="cuda")
+
+
+def l2_flush() -> None:
+    """Evict L2 by writing `L2_BYTES` with a kernel whose name (`FLUSH_KERNEL`) marks a round's start."""
+    kernel, buf = _flusher()
+    kernel[(-(-buf.numel() // 4096),)](buf, buf.numel(), BLOCK=4096)
+
+
+def device_activities(trace: dict) -> list[dict]:
+    """The device's activities in a chrome trace (torch.profiler's export): {name, cat, ts, dur} in µs,
+    by start time."""
+    return sorted(({"name": e["name"], "cat": e["cat"], "ts": float(e["ts"]), "dur": float(e["dur"])}
+                   for e in trace.get("traceEvents", [])
+                   if e.get("ph") == "X" and e.get("cat") in PROFILE_CATEGORIES), key=lambda e: e["ts"])
+
+
+def rounds_after_flush(events: list[dict]) -> list[list[dict]]:
+    """`events` split at the flush kernels: the activities after each flush (the flushes left out)."""
+    rounds: list[list[dict]] = []
+    for e in events:
+        if FLUSH_KERNEL in e["name"]:
+            rounds.append([])
+        elif rounds:
+            rounds[-1].append(e)
+    return rounds
+
+
+def per_call(rounds: list[list[dict]], n_calls: int) -> tuple[float, list[dict]]:
+    """(median round's summed duration / n_calls, kernels: one entry per activity name with its count and µs
+    per call, over every round, longest first)."""
+    if not rounds or not all(rounds):
+        raise RuntimeError(f"the profiler recorded no device activity in {sum(not r for r in rounds)} of "
+                           f"{len(rounds)} rounds (CUPTI saw no kernels of these calls)")
+    us = statistics.median(sum(e["dur"] for e in r) for r in rounds) / n_calls
+    kernels: dict = {}
+    for e in (e for r in rounds for e in r):
+        k = kernels.setdefault(e["name"], {"name": e["name"], "cat": e["cat"], "count": 0, "us": 0.0})
+        k["count"] += 1
+        k["us"] += e["dur"]
+    scale = len(rounds) * n_calls
+    out = [dict(k, count=k["count"] / scale, us=k["us"] / scale) for k in kernels.values()]
+    return us, sorted(out, key=lambda k: -k["us"])
+
+
+def profile_device_us(calls, sync, rounds: int = PROFILE_ROUNDS) -> tuple[float, str, list[dict]]:
+    """(device µs per call, method, kernels per call) of `calls` (zero-argument callables, one per input set,
+    each returning its outputs): `rounds` rounds of an L2 flush then every call once, under torch.profiler
+    with CUDA activities; each round's device activities summed, the median round / len(calls). `sync(outs)`
+    waits for the outputs (torch.cuda.synchronize, jax.block_until_ready)."""
+    import torch
+
+    if _smoke and not torch.cuda.is_available():
+        start = time.perf_counter()
+        sync([call() for call in calls])
+        return 1e6 * (time.perf_counter() - start) / len(calls), SMOKE_NOTE, []
+    rounds = 2 if _smoke else rounds
+    for _ in range(3):  # compile, autotune, allocate outside the trace
+        outs = [call() for call in calls]
+    sync(outs)
+    torch.cuda.synchronize()
+    del outs
+    # The flush runs on torch's stream and JAX's calls on XLA's: both synchronized around each round, so that
+    # the rounds follow one another on the device and every call starts after its round's flush.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            l2_flush()
+            torch.cuda.synchronize()
+            outs = [call() for call in calls]
+            sync(outs)
+            torch.cuda.synchronize()
+            del outs  # each call's outputs were made (and returned); freeing them keeps memory flat
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    us, kernels = per_call(rounds_after_flush(device_activities(trace))[:rounds], len(calls))
+    method = SMOKE_NOTE if _smoke else (
+        f"profiler: device activities per call (CUPTI), {len(calls)} call(s) per round, one per input set, "
+        f"L2 flushed before each round, median of {rounds} rounds")
+    return us, method, kernels
+
+
+def torch_sync(outs) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def jax_sync(outs) -> None:
+    import jax
+
+    jax.block_until_ready(outs)

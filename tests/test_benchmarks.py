@@ -320,3 +320,83 @@ def test_jax_block_checks_and_times_both_norms():
         timing.set_smoke(False)
     assert [r["norm"] for r in rows] == list(jax_block.NORMS) * len(jax_block.SIZES[DEVICE])
     assert all(r["check"].startswith("outputs agree") and r["device_us"] > 0 for r in rows), rows
+
+
+def test_profile_rounds_sum_the_activities_after_each_flush():
+    """`timing.profile_device_us`'s arithmetic: a chrome trace's device activities split at the flush kernel,
+    the median round over the calls, each kernel's count and µs per call; a round without activity raises."""
+    from benchmarks import timing
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [ev("before", 0, 9), ev(timing.FLUSH_KERNEL, 1, 50), ev("a", 60, 4), ev("b", 70, 2),
+                             ev("fill", 75, 1, "gpu_memset"), ev("cpu op", 80, 5, "cpu_op"),
+                             ev(timing.FLUSH_KERNEL, 100, 50), ev("a", 160, 6), ev("b", 170, 2),
+                             ev(timing.FLUSH_KERNEL, 200, 50), ev("a", 260, 8), ev("b", 270, 4)]}
+    rounds = timing.rounds_after_flush(timing.device_activities(trace))
+    assert [[e["name"] for e in r] for r in rounds] == [["a", "b", "fill"], ["a", "b"], ["a", "b"]]
+    us, kernels = timing.per_call(rounds, 2)
+    assert us == 8 / 2  # round sums 7, 8, 12: the median over two calls
+    assert [(k["name"], k["count"], k["us"]) for k in kernels] == [("a", 0.5, 3.0), ("b", 0.5, 4 / 3),
+                                                                    ("fill", 1 / 6, 1 / 6)]
+    with pytest.raises(RuntimeError, match="no device activity"):
+        timing.per_call([[], rounds[0]], 1)
+
+
+def test_jax_calls_are_one_program_per_input_set():
+    """`runner.jax_calls` (every JAX row's timed calls): each call computes its own input set's outputs, all of
+    them returned, as the plain vjp does (the XLA peer: XLA alone, no interpreter)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import rms_norm as RN
+    from benchmarks.runner import jax_calls
+
+    keys = jax.random.split(jax.random.key(5), 5)
+    w = jax.random.normal(keys[0], (64,), jnp.bfloat16)
+    sets = [([jax.random.normal(k, (6, 64), jnp.bfloat16), w], jax.random.normal(c, (6, 64), jnp.bfloat16))
+            for k, c in ((keys[1], keys[2]), (keys[3], keys[4]))]
+    fn = RN.jax_impls(None)["jax.jit (XLA)"]
+    for pass_ in ("fwd", "bwd", "fwd+bwd"):
+        calls = jax_calls(fn, pass_, sets, ())
+        assert len(calls) == 2
+        for call, (args, cot) in zip(calls, sets):
+            y, vjp = jax.vjp(fn, *args)
+            want = {"fwd": y, "bwd": vjp(cot), "fwd+bwd": (y, vjp(cot))}[pass_]
+            got, want = jax.tree_util.tree_leaves(call()), jax.tree_util.tree_leaves(want)
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-2)
+
+
+def test_jax_torch_table_compares_profile_times():
+    """The report's JAX / torch table: xkern's two front ends by `profile_us`, torch µs / JAX µs, and whether
+    they launched the same kernels; `ratios` takes the same ratio."""
+    from benchmarks import report
+
+    def row(impl, us, names):
+        return {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [8, 128], "impl": impl, "frac": 0.5,
+                "profile_us": us, "kernels": [{"name": n} for n in names]}
+
+    rows = [row("xkern (torch)", 9.0, ["k"]), row("xkern (jax)", 10.0, ["k"]), row("HF eager", 20.0, ["x", "y"])]
+    (jt,) = report.jax_torch(rows)
+    assert (jt["torch_us"], jt["jax_us"], jt["ratio"], jt["same_kernels"]) == (9.0, 10.0, 0.9, True)
+    assert report.ratios(rows)[0]["jax_ratio"] == 0.9
+    assert "torch / JAX" in "\n".join(report.jax_torch_table(rows))
+
+
+def test_jax_torch_profile_runs_a_case():
+    """`tools.jax_torch_profile` on one smoke pass: both front ends and XLA run by every method it prints."""
+    from benchmarks import timing
+    from tools import jax_torch_profile as JT
+
+    timing.set_smoke(True)
+    try:
+        rows = JT.profile_case("rms_norm", (9, 128), ("fwd",), DEVICE)
+    finally:
+        timing.set_smoke(False)
+    assert [r["impl"] for r in rows] == ["xkern (torch)", "xkern (jax)", "jax.jit (XLA)"]
+    assert all("status" not in r and r["device_us"] > 0 and r["host_issue_us"] > 0 for r in rows), rows
+    assert "rms_norm 9x128 fwd: torch" in JT.text(rows)
