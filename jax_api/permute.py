@@ -43,8 +43,9 @@ def _gather_op(n_out: int):
     return op
 
 
-def _gather_kernel(x, idx, n_out: int):
-    (out,) = execute(contract.permute_recipe(n_out, x.shape[1], x.shape[0], x.dtype.name, x.shape[1]), x=x, idx=idx)
+def _gather_kernel(x, idx):
+    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1])
+    (out,) = execute(recipe, x=x, idx=idx)
     return out
 
 
@@ -119,32 +120,46 @@ def _per_example(body, n_out: int):
 
 @functools.cache
 def _token_gather_op(top_k: int):
-    def body(x, idx):
-        recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
-        return execute(recipe, x=x, idx=idx)[0]
+    return _per_example(sharding.gather_rows(functools.partial(_token_gather_kernel, top_k=top_k)), 1)
 
-    return _per_example(body, 1)
+
+def _token_gather_kernel(x, idx, top_k: int):
+    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
+    return execute(recipe, x=x, idx=idx)[0]
 
 
 @functools.cache
 def _combine_op(num_rows: int, top_k: int, weighted: bool):
-    def body(y, idx, *probs):
-        recipe = contract.unpermute_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, y.shape[1],
-                                           idx.dtype.name, top_k, probs[0].dtype.name if weighted else None)
-        return execute(recipe, y=y, idx=idx, **({"probs": probs[0].reshape(-1)} if weighted else {}))[0]
+    """(y, idx, probs) -> out; without `weighted`, `probs` is a [T, 1] array whose values are not read: it
+    carries the tokens' sharding (under jit, the output is split like it)."""
+    body = functools.partial(_combine_kernel, top_k=top_k, weighted=weighted)
+    return _per_example(sharding.combine_rows(body, num_rows, top_k), 1)
 
-    return _per_example(body, 1)
+
+def _combine_kernel(y, idx, num_rows: int, probs, *, top_k: int, weighted: bool):
+    recipe = contract.unpermute_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, y.shape[1], idx.dtype.name,
+                                       top_k, probs.dtype.name if weighted else None)
+    return execute(recipe, y=y, idx=idx, **({"probs": probs.reshape(-1)} if weighted else {}))[0]
+
+
+def _tokens_like(x):
+    """x's first column [rows, 1], split like x's rows (see `_combine_op`; XLA drops a sharded [rows, 0])."""
+    return x[:, :1]
 
 
 @functools.cache
 def _combine_bwd_op(num_rows: int, top_k: int):
-    def body(dout, y, idx, probs):
-        recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1],
-                                             y.shape[1], top_k, probs.dtype.name)
-        dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
-        return dy, dprobs.reshape(probs.shape)
+    body = functools.partial(_combine_bwd_kernel, num_rows=num_rows, top_k=top_k)
+    return _per_example(sharding.combine_grads(body), 2)
 
-    return _per_example(body, 2)
+
+def _combine_bwd_kernel(dout, y, idx, probs, dprobs_dtype=None, *, num_rows: int, top_k: int):
+    """dy, and dprobs in `dprobs_dtype` (default probs')."""
+    dprobs_dtype = probs.dtype if dprobs_dtype is None else jnp.dtype(dprobs_dtype)
+    recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1], y.shape[1],
+                                         top_k, dprobs_dtype.name)
+    dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
+    return dy, dprobs.reshape(probs.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -153,27 +168,28 @@ def _permute_tokens(top_k, num_tokens, x, idx):
 
 
 def _permute_tokens_fwd(top_k, num_tokens, x, idx):
-    return _permute_tokens(top_k, num_tokens, x, idx), idx
+    return _permute_tokens(top_k, num_tokens, x, idx), (idx, _tokens_like(x))
 
 
-def _permute_tokens_bwd(top_k, num_tokens, idx, dout):
-    return _sum_copies(num_tokens * top_k, top_k, dout, idx), None
+def _permute_tokens_bwd(top_k, num_tokens, res, dout):
+    idx, tokens = res  # dx split like x's rows
+    return _sum_copies(num_tokens * top_k, top_k, dout, idx, tokens), None
 
 
 _permute_tokens.defvjp(_permute_tokens_fwd, _permute_tokens_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sum_copies(num_rows, top_k, y, idx):
-    return vary_like(_combine_op(num_rows, top_k, False)(y, idx), y)
+def _sum_copies(num_rows, top_k, y, idx, tokens):
+    return vary_like(_combine_op(num_rows, top_k, False)(y, idx, tokens), y)
 
 
-def _sum_copies_fwd(num_rows, top_k, y, idx):
-    return _sum_copies(num_rows, top_k, y, idx), idx
+def _sum_copies_fwd(num_rows, top_k, y, idx, tokens):
+    return _sum_copies(num_rows, top_k, y, idx, tokens), idx
 
 
 def _sum_copies_bwd(num_rows, top_k, idx, dout):
-    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None
+    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None, None
 
 
 _sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
@@ -348,5 +364,5 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:
-        return _sum_copies(num_rows, top_k, y, permuted_indices)
+        return _sum_copies(num_rows, top_k, y, permuted_indices, jnp.zeros((num_rows // top_k, 1), y.dtype))
     return _unpermute(num_rows, y, permuted_indices)
