@@ -49,23 +49,28 @@ def _gather_kernel(x, idx):
     return out
 
 
-def _inverse(idx, num_rows: int):
-    return _inverse_op(num_rows)(idx)
+def _inverse(idx, num_rows: int, like):
+    """inv [num_rows]; under jit split like the rows of `like` ([num_rows, 1], values not read)."""
+    return _inverse_op(num_rows)(idx, like)
+
+
+def _rows_like(x):
+    """x's first column [rows, 1], split like x's rows: an operand that only tells the partitioner how to split
+    an output's rows (XLA drops the sharding of a [rows, 0] array)."""
+    return x[:, :1]
+
+
+def _unsplit(n_rows: int, dtype):
+    """An output's rows with nothing to follow (the partitioner then splits them like the output's users)."""
+    return jnp.zeros((n_rows, 1), dtype)
 
 
 @functools.cache
 def _inverse_op(num_rows: int):
-    kernel = sharding.replicated(lambda idx: _inverse_kernel(idx, num_rows), 1, (1,), (1,))
-
-    @jax.custom_batching.custom_vmap
-    def op(idx):
-        return kernel(idx)
-
-    op.def_vmap(lambda axis_size, in_batched, idx: (map_batched(op, axis_size, in_batched, idx), True))
-    return op
+    return _per_example(sharding.inverse_rows(_inverse_kernel, num_rows), 1)
 
 
-def _inverse_kernel(idx, num_rows: int):
+def _inverse_kernel(idx, num_rows: int, like):
     (inv,) = execute(contract.inverse_recipe(idx.shape[0], num_rows, idx.dtype.name), idx=idx)
     return inv
 
@@ -77,27 +82,28 @@ def _permute(num_rows, x, idx):
 
 
 def _permute_fwd(num_rows, x, idx):
-    return _permute(num_rows, x, idx), idx
+    return _permute(num_rows, x, idx), (idx, _rows_like(x))
 
 
-def _permute_bwd(num_rows, idx, dout):
-    return _unpermute(num_rows, dout, idx), None
+def _permute_bwd(num_rows, res, dout):
+    idx, rows = res  # dx split like x's rows
+    return _unpermute(num_rows, dout, idx, rows), None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _unpermute(num_rows, y, idx):
-    return vary_like(_gather(y, _inverse(idx, num_rows), num_rows), y)
+def _unpermute(num_rows, y, idx, rows):
+    return vary_like(_gather(y, _inverse(idx, num_rows, rows), num_rows), y)
 
 
-def _unpermute_fwd(num_rows, y, idx):
-    return _unpermute(num_rows, y, idx), idx
+def _unpermute_fwd(num_rows, y, idx, rows):
+    return _unpermute(num_rows, y, idx, rows), idx
 
 
 def _unpermute_bwd(num_rows, idx, dout):
-    return _permute(num_rows, dout, idx), None
+    return _permute(num_rows, dout, idx), None, None
 
 
 _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
@@ -142,11 +148,6 @@ def _combine_kernel(y, idx, num_rows: int, probs, *, top_k: int, weighted: bool)
     return execute(recipe, y=y, idx=idx, **({"probs": probs.reshape(-1)} if weighted else {}))[0]
 
 
-def _tokens_like(x):
-    """x's first column [rows, 1], split like x's rows (see `_combine_op`; XLA drops a sharded [rows, 0])."""
-    return x[:, :1]
-
-
 @functools.cache
 def _combine_bwd_op(num_rows: int, top_k: int):
     body = functools.partial(_combine_bwd_kernel, num_rows=num_rows, top_k=top_k)
@@ -168,7 +169,7 @@ def _permute_tokens(top_k, num_tokens, x, idx):
 
 
 def _permute_tokens_fwd(top_k, num_tokens, x, idx):
-    return _permute_tokens(top_k, num_tokens, x, idx), (idx, _tokens_like(x))
+    return _permute_tokens(top_k, num_tokens, x, idx), (idx, _rows_like(x))
 
 
 def _permute_tokens_bwd(top_k, num_tokens, res, dout):
@@ -338,7 +339,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     num_rows = check_int("num_rows", num_rows)
     if validate:
         contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
-    return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
+    return vary_like(_inverse(permuted_indices, num_rows, _unsplit(num_rows, permuted_indices.dtype)), permuted_indices)
 
 
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
@@ -364,5 +365,5 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:
-        return _sum_copies(num_rows, top_k, y, permuted_indices, jnp.zeros((num_rows // top_k, 1), y.dtype))
-    return _unpermute(num_rows, y, permuted_indices)
+        return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
+    return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))

@@ -216,25 +216,41 @@ def combine_rows(body, num_rows: int, top_k: int):
     """out = body(y, idx, num_rows, probs): out [num_rows // top_k, H], token t summing (weighted by probs [T,
     top_k], or by 1 where body ignores probs) the rows of y [slots, H] that hold its copies t * top_k + j, idx
     [slots] naming global copies. Each device computes its tokens (probs' row sharding) on its columns (y's
-    hidden sharding). y's rows and idx are all-gathered; idx is renumbered from the device's first copy, so a
-    copy of another device's tokens names no local copy (as an out-of-range copy on one device): bitwise one
-    device's result."""
+    hidden sharding): y's rows and idx are all-gathered, idx renumbered from the device's first copy
+    (`_renumbered`); bitwise one device's result."""
 
     def partition(mesh, arg_shapes, result_shape):
         hidden = dim_axes(arg_shapes[0])[1]
-        tokens = dim_axes(arg_shapes[2])[0] or dim_axes(result_shape)[0]
-        tokens = _fitting(mesh, _without(tokens, hidden), num_rows // top_k)
+        tokens = _split_rows(mesh, arg_shapes[2], result_shape, hidden)
         local_rows = num_rows // _size(mesh, tokens)
 
         def fn(y, idx, probs):
-            if tokens:
-                idx = idx - (jax.lax.axis_index(tokens) * local_rows).astype(idx.dtype)
-            return body(y, idx, local_rows, probs)
+            return body(y, _renumbered(idx, tokens, local_rows), local_rows, probs)
 
         return (mesh, per_shard(fn), named_sharding(mesh, [tokens, hidden]),
                 (named_sharding(mesh, [(), hidden]), named_sharding(mesh, [()]), named_sharding(mesh, [tokens, ()])))
 
     return partitioned(lambda y, idx, probs: body(y, idx, num_rows, probs), partition, "s h, s, t k -> t h",
+                       need_replication_factors=("s", "k"))
+
+
+@functools.cache
+def inverse_rows(body, num_rows: int):
+    """inv = body(idx, num_rows, like): inv [num_rows], inv[r] the slot s with idx[s] = r (-1 where none), like
+    [num_rows, 1] an array whose values are not read. Each device computes its rows (like's row sharding):
+    idx is all-gathered and renumbered from the device's first row (`_renumbered`)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows = _split_rows(mesh, arg_shapes[1], result_shape, ())
+        local_rows = num_rows // _size(mesh, rows)
+
+        def fn(idx, like):
+            return body(_renumbered(idx, rows, local_rows), local_rows, like)
+
+        return (mesh, per_shard(fn), named_sharding(mesh, [rows]),
+                (named_sharding(mesh, [()]), named_sharding(mesh, [rows, ()])))
+
+    return partitioned(lambda idx, like: body(idx, num_rows, like), partition, "s, r k -> r",
                        need_replication_factors=("s", "k"))
 
 
@@ -274,22 +290,18 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _fitting(mesh, axes, n: int) -> tuple[str, ...]:
-    """`axes` if they split n rows evenly (each device's first row is then index * n / shards), else none."""
-    return axes if n % _size(mesh, axes) == 0 else ()
+def _split_rows(mesh, like, result, taken) -> tuple[str, ...]:
+    """The mesh axes splitting the output rows: like's rows' (else the result's), less `taken`, where they split
+    the rows evenly (each device's first row is then its index over them times rows / shards)."""
+    axes = _without(dim_axes(like)[0] or dim_axes(result)[0], taken)
+    return axes if result.shape[0] % _size(mesh, axes) == 0 else ()
 
 
-@functools.cache
-def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ...]):
-    """`body` run whole on every device (small integer ops): inputs all-gathered, outputs replicated."""
-    names = iter(f"i{k}" for k in range(100))
-    ins = [" ".join(next(names) for _ in range(r)) for r in ranks]
-    outs = [" ".join(next(names) for _ in range(r)) for r in out_ranks]
-    used = [f for group in ins + outs for f in group.split()]
+def _renumbered(idx, axes, local_rows: int):
+    """idx (global row numbers) counted from this device's first row: a row of another device falls outside
+    [0, local_rows), where the kernels skip it as they skip an out-of-range entry on one device."""
+    if not axes:
+        return idx
+    return idx - (jax.lax.axis_index(axes) * local_rows).astype(idx.dtype)
 
-    def partition(mesh, arg_shapes, result_shape):
-        rep = NamedSharding(mesh, P())
-        return mesh, per_shard(body), jax.tree.map(lambda _: rep, result_shape), (rep,) * n_in
 
-    return partitioned(body, partition, f"{', '.join(ins)} -> {', '.join(outs)}",
-                        need_replication_factors=tuple(used))
