@@ -282,6 +282,22 @@ def combine_grads(body):
                        "t h, s h, s, t k -> s h, t k", need_replication_factors=("t", "k"))
 
 
+@functools.cache
+def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ...]):
+    """`body` run whole on every device (small integer ops): inputs all-gathered, outputs replicated."""
+    names = iter(f"i{k}" for k in range(100))
+    ins = [" ".join(next(names) for _ in range(r)) for r in ranks]
+    outs = [" ".join(next(names) for _ in range(r)) for r in out_ranks]
+    used = [f for group in ins + outs for f in group.split()]
+
+    def partition(mesh, arg_shapes, result_shape):
+        rep = NamedSharding(mesh, P())
+        return mesh, per_shard(body), jax.tree.map(lambda _: rep, result_shape), (rep,) * n_in
+
+    return partitioned(body, partition, f"{', '.join(ins)} -> {', '.join(outs)}",
+                       need_replication_factors=tuple(used))
+
+
 def _without(axes, taken) -> tuple[str, ...]:
     return tuple(a for a in axes if a not in taken)
 
@@ -303,5 +319,3 @@ def _renumbered(idx, axes, local_rows: int):
     if not axes:
         return idx
     return idx - (jax.lax.axis_index(axes) * local_rows).astype(idx.dtype)
-
-
