@@ -15,10 +15,16 @@ weight; the width-sharded kernels compute the Llama math with a weight, the othe
   psum of those [rows] sums (one fp32 per row forward, two backward) over the hidden axes, then each device
   normalises its columns (the width-sharded kernels at the end of xkern/rms_norm.py). x is never gathered;
   w and dw are sharded like N. Results are within the fp32 contract of one device's (row sums reassociated).
-Gathers (permute_rows, unpermute_rows), x [rows, H]: H sharded is local. The indices are global, so
-sharded source rows are all-gathered over their axes first (rows x H/shards per device); permute_rows'
-output is sharded like its indices, unpermute_rows' output rows are replicated. The index ops
-(inverse_permutation, generate_permute_indices) run replicated: their inputs are all-gathered (integers).
+Gathers and combines (permute_rows, unpermute_rows, with and without top_k and probs), rows [n, H]: a sharded
+H is local. The indices are global, so a device all-gathers the rows it reads (rows x H/shards) and, to
+find its rows' slots, the indices (integers); it then computes its share of the output: a permute's slots
+sharded like the indices; a combine's tokens like probs (without probs: like x in a permute's backward,
+else like the output's users); a plain unpermute's rows like x in a permute's backward, else like the
+output's users. The weighted combine's backward runs on the slots, all-gathering dout's rows and probs;
+dprobs takes one FP32 all-reduce of [T, top_k] over the slot and hidden axes (each copy is one device's
+term; with H sharded, the devices' column sums). Results are bitwise one device's, but for dprobs with a
+sharded H (within the FP32 contract). The index ops read all-gathered indices or counts:
+inverse_permutation's rows split like its output's users, generate_permute_indices runs replicated.
 """
 
 from __future__ import annotations
