@@ -67,7 +67,19 @@ def _unsplit(n_rows: int, dtype):
 
 @functools.cache
 def _inverse_op(num_rows: int):
-    return _per_example(sharding.inverse_rows(_inverse_kernel, num_rows), 1)
+    kernel = sharding.inverse_rows(_inverse_kernel, num_rows)
+
+    @jax.custom_batching.custom_vmap
+    def op(idx, like):
+        return kernel(idx, like)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, idx, like):
+        if in_batched[0]:  # per-example indices: one launch per example
+            return map_batched(op, axis_size, in_batched, idx, like), True
+        return op(idx, like[0] if in_batched[1] else like), False  # one inverse: like's values are not read
+
+    return op
 
 
 def _inverse_kernel(idx, num_rows: int, like):

@@ -190,9 +190,12 @@ def _check_all(n_devices: int) -> dict:
         assert "maximal" not in lowered.as_text(), "a value placed on one device ({maximal ...} sharding)"
         hlo = lowered.compile().as_text()
         kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter|collective-broadcast"
-        found = [(kind, re.sub(r"\{[^}]*\}", "", shape)) for shape, kind in
-                 re.findall(rf"= (\([^)]*\)|\S+) ({kinds})(?:-start)?\(", hlo)]
-        assert len(found) == len(re.findall(rf"\b(?:{kinds})(?:-start)?\(", hlo)), "a collective not parsed"
+        ops = re.findall(rf"= (\([^)]*\)|\S+) ({kinds})(-start)?\(", hlo)
+        assert len(ops) == len(re.findall(rf"\b(?:{kinds})(?:-start)?\(", hlo)), "a collective not parsed"
+        found = []
+        for shape, kind, start in ops:  # a combined collective has a tuple type; an async all-gather (GPU)
+            parts = re.sub(r"\{[^}]*\}", "", shape).strip("()").split(", ")  # (operands, results)
+            found += [(kind, part) for part in (parts[len(parts) // 2:] if start and kind == "all-gather" else parts)]
         return found
 
     def only(found, allowed, what):
@@ -384,7 +387,9 @@ def _check_all(n_devices: int) -> dict:
         width_only = spec[0] is None
         rows = {("all-gather", f"f32[{n},{cols}]") for n in (n_tokens, n_slots)}
         ints = {("all-gather", f"s32[{n_slots}]"), ("all-gather", f"f32[{n_tokens},{top_k}]")}
-        dprobs = {("all-reduce", f"f32[{n_tokens},{top_k}]")}
+        # dprobs: one all-reduce (XLA may make it a reduce-scatter where the result is sliced like probs)
+        dprobs = {("all-reduce", f"f32[{n_tokens},{top_k}]")} | {
+            ("reduce-scatter", f"f32[{n_tokens // n},{top_k}]") for n in (2, 4, 8)}
 
         def dispatch():
             f = jax.jit(lambda x, idx: jax_api.permute_rows(x, idx, top_k=top_k))
