@@ -3,8 +3,7 @@
 from jax_api.add_rms_norm import add_rms_norm
 from jax_api.ep import ep_combine, ep_dispatch
 from jax_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
-from jax_api.rms_norm import rms_norm
-from jax_api.sharding import rms_norm_tp
+from jax_api.rms_norm import rms_norm, rms_norm_tp
 
 __all__ = [
     "add_rms_norm",

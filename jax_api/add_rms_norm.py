@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
-from jax_api.sharding import _bwd_width_sharded, _dims, _factors, _fwd_width_sharded, _local, _named, _partitioned
+from jax_api.sharding import (
+    bwd_width_sharded,
+    dim_axes,
+    factor_names,
+    fwd_width_sharded,
+    named_sharding,
+    partitioned,
+    per_shard,
+)
 from xkern.rms_norm import (
     add_rms_norm_bwd_recipe,
     add_rms_norm_fwd_recipe,
@@ -58,32 +66,32 @@ def _bwd(dy, dres, res, weight, eps, variant, x_dtype, n_batch_dims, dw_dtype=No
 def _fwd_width(hidden, n_total: int, eps: float, res_dtype: str, x, r, w):
     """One shard's columns: the sum (FP32, rounded once, as the fused kernel), then the width-sharded norm."""
     s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(res_dtype)
-    return _fwd_width_sharded(hidden, n_total, eps, s, w), s
+    return fwd_width_sharded(hidden, n_total, eps, s, w), s
 
 
 @functools.cache
 def _fwd_sharded(eps: float, variant: str, res_dtype: str, ndim: int, weighted: bool):
     """_fwd partitioned by rows (x and residual alike) and, where `add_width_sharded_ok`, by the hidden dim."""
-    rows = " ".join(_factors(ndim - 1))
+    rows = " ".join(factor_names(ndim - 1))
     body = (lambda x, r, w: _fwd(x, r, w, eps, variant, res_dtype)) if weighted else \
         (lambda x, r: _fwd(x, r, None, eps, variant, res_dtype))
 
     def partition(mesh, arg_shapes, result_shape):
-        dims = _dims(arg_shapes[0])
+        dims = dim_axes(arg_shapes[0])
         hidden = dims[-1] if add_width_sharded_ok(variant, jnp.dtype(arg_shapes[0].dtype).name, res_dtype) else ()
         dims[-1] = hidden
-        xs = _named(mesh, dims)
+        xs = named_sharding(mesh, dims)
         fn = functools.partial(_fwd_width, hidden, arg_shapes[0].shape[-1], eps, res_dtype) if hidden else body
-        return mesh, _local(fn), (xs, xs), (xs, xs) + ((_named(mesh, [hidden]),) if weighted else ())
+        return mesh, per_shard(fn), (xs, xs), (xs, xs) + ((named_sharding(mesh, [hidden]),) if weighted else ())
 
     w_rule = ", n" if weighted else ""
-    return _partitioned(body, partition, f"{rows} n, {rows} n{w_rule} -> {rows} n, {rows} n")
+    return partitioned(body, partition, f"{rows} n, {rows} n{w_rule} -> {rows} n, {rows} n")
 
 
 @functools.cache
 def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims: int, weighted: bool):
     """_bwd partitioned by rows: dw of each device's rows in fp32, psum over the row axes, w's dtype once."""
-    batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
+    batch, rows = factor_names(n_batch_dims, "b"), factor_names(ndim - 1 - n_batch_dims)
     lead = " ".join(batch + rows)
 
     def body(dy, dres, res, w=None, dw_dtype=None):
@@ -93,18 +101,18 @@ def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims
         return body(dy, dres, res)[0]
 
     def partition(mesh, arg_shapes, result_shape):
-        dims = _dims(arg_shapes[2])
+        dims = dim_axes(arg_shapes[2])
         hidden = dims[-1] if add_width_sharded_ok(variant, x_dtype, jnp.dtype(arg_shapes[2].dtype).name) else ()
         dims[-1] = hidden
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
-        xs = _named(mesh, dims)
+        xs = named_sharding(mesh, dims)
         if not weighted:
-            return mesh, _local(dsum_only), xs, (xs, xs, xs)
+            return mesh, per_shard(dsum_only), xs, (xs, xs, xs)
         n_total = arg_shapes[2].shape[-1]
 
         def fn(dy, dres, res, w):
             if hidden:  # the width-sharded norm's dx, plus d(residual_out): FP32, rounded once more
-                dx, dw = _bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, res, w)
+                dx, dw = bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, res, w)
                 dsum = (dx.astype(jnp.float32) + dres.astype(jnp.float32)).astype(res.dtype)
             else:
                 dsum, dw = body(dy, dres, res, w, jnp.float32)
@@ -112,12 +120,12 @@ def _bwd_sharded(eps: float, variant: str, x_dtype: str, ndim: int, n_batch_dims
                 dw = jax.lax.psum(dw, row_axes)
             return dsum, dw.astype(w.dtype)
 
-        return (mesh, _local(fn), (xs, _named(mesh, dims[:n_batch_dims] + [hidden])),
-                (xs, xs, xs, _named(mesh, [hidden])))
+        return (mesh, per_shard(fn), (xs, named_sharding(mesh, dims[:n_batch_dims] + [hidden])),
+                (xs, xs, xs, named_sharding(mesh, [hidden])))
 
     if not weighted:
-        return _partitioned(dsum_only, partition, f"{lead} n, {lead} n, {lead} n -> {lead} n")
-    return _partitioned(lambda dy, dres, res, w: body(dy, dres, res, w), partition,
+        return partitioned(dsum_only, partition, f"{lead} n, {lead} n, {lead} n -> {lead} n")
+    return partitioned(lambda dy, dres, res, w: body(dy, dres, res, w), partition,
                         f"{lead} n, {lead} n, {lead} n, n -> {lead} n, {' '.join(batch)} n")
 
 

@@ -43,28 +43,46 @@ def _gather_op(n_out: int):
     return op
 
 
-def _gather_kernel(x, idx, n_out: int):
-    (out,) = execute(contract.permute_recipe(n_out, x.shape[1], x.shape[0], x.dtype.name, x.shape[1]), x=x, idx=idx)
+def _gather_kernel(x, idx):
+    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1])
+    (out,) = execute(recipe, x=x, idx=idx)
     return out
 
 
-def _inverse(idx, num_rows: int):
-    return _inverse_op(num_rows)(idx)
+def _inverse(idx, num_rows: int, like):
+    """inv [num_rows]; under jit split like the rows of `like` ([num_rows, 1], values not read)."""
+    return _inverse_op(num_rows)(idx, like)
+
+
+def _rows_like(x):
+    """x's first column [rows, 1], split like x's rows: an operand that only tells the partitioner how to split
+    an output's rows (XLA drops the sharding of a [rows, 0] array)."""
+    return x[:, :1]
+
+
+def _unsplit(n_rows: int, dtype):
+    """An output's rows with nothing to follow (the partitioner then splits them like the output's users)."""
+    return jnp.zeros((n_rows, 1), dtype)
 
 
 @functools.cache
 def _inverse_op(num_rows: int):
-    kernel = sharding.replicated(lambda idx: _inverse_kernel(idx, num_rows), 1, (1,), (1,))
+    kernel = sharding.inverse_rows(_inverse_kernel, num_rows)
 
     @jax.custom_batching.custom_vmap
-    def op(idx):
-        return kernel(idx)
+    def op(idx, like):
+        return kernel(idx, like)
 
-    op.def_vmap(lambda axis_size, in_batched, idx: (map_batched(op, axis_size, in_batched, idx), True))
+    @op.def_vmap
+    def _(axis_size, in_batched, idx, like):
+        if in_batched[0]:  # per-example indices: one launch per example
+            return map_batched(op, axis_size, in_batched, idx, like), True
+        return op(idx, like[0] if in_batched[1] else like), False  # one inverse: like's values are not read
+
     return op
 
 
-def _inverse_kernel(idx, num_rows: int):
+def _inverse_kernel(idx, num_rows: int, like):
     (inv,) = execute(contract.inverse_recipe(idx.shape[0], num_rows, idx.dtype.name), idx=idx)
     return inv
 
@@ -76,27 +94,28 @@ def _permute(num_rows, x, idx):
 
 
 def _permute_fwd(num_rows, x, idx):
-    return _permute(num_rows, x, idx), idx
+    return _permute(num_rows, x, idx), (idx, _rows_like(x))
 
 
-def _permute_bwd(num_rows, idx, dout):
-    return _unpermute(num_rows, dout, idx), None
+def _permute_bwd(num_rows, res, dout):
+    idx, rows = res  # dx split like x's rows
+    return _unpermute(num_rows, dout, idx, rows), None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _unpermute(num_rows, y, idx):
-    return vary_like(_gather(y, _inverse(idx, num_rows), num_rows), y)
+def _unpermute(num_rows, y, idx, rows):
+    return vary_like(_gather(y, _inverse(idx, num_rows, rows), num_rows), y)
 
 
-def _unpermute_fwd(num_rows, y, idx):
-    return _unpermute(num_rows, y, idx), idx
+def _unpermute_fwd(num_rows, y, idx, rows):
+    return _unpermute(num_rows, y, idx, rows), idx
 
 
 def _unpermute_bwd(num_rows, idx, dout):
-    return _permute(num_rows, dout, idx), None
+    return _permute(num_rows, dout, idx), None, None
 
 
 _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
@@ -119,32 +138,41 @@ def _per_example(body, n_out: int):
 
 @functools.cache
 def _token_gather_op(top_k: int):
-    def body(x, idx):
-        recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
-        return execute(recipe, x=x, idx=idx)[0]
+    return _per_example(sharding.gather_rows(functools.partial(_token_gather_kernel, top_k=top_k)), 1)
 
-    return _per_example(body, 1)
+
+def _token_gather_kernel(x, idx, top_k: int):
+    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
+    return execute(recipe, x=x, idx=idx)[0]
 
 
 @functools.cache
 def _combine_op(num_rows: int, top_k: int, weighted: bool):
-    def body(y, idx, *probs):
-        recipe = contract.unpermute_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, y.shape[1],
-                                           idx.dtype.name, top_k, probs[0].dtype.name if weighted else None)
-        return execute(recipe, y=y, idx=idx, **({"probs": probs[0].reshape(-1)} if weighted else {}))[0]
+    """(y, idx, probs) -> out; without `weighted`, `probs` is a [T, 1] array whose values are not read: it
+    carries the tokens' sharding (under jit, the output is split like it)."""
+    body = functools.partial(_combine_kernel, top_k=top_k, weighted=weighted)
+    return _per_example(sharding.combine_rows(body, num_rows, top_k), 1)
 
-    return _per_example(body, 1)
+
+def _combine_kernel(y, idx, num_rows: int, probs, *, top_k: int, weighted: bool):
+    recipe = contract.unpermute_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, y.shape[1], idx.dtype.name,
+                                       top_k, probs.dtype.name if weighted else None)
+    return execute(recipe, y=y, idx=idx, **({"probs": probs.reshape(-1)} if weighted else {}))[0]
 
 
 @functools.cache
 def _combine_bwd_op(num_rows: int, top_k: int):
-    def body(dout, y, idx, probs):
-        recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1],
-                                             y.shape[1], top_k, probs.dtype.name)
-        dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
-        return dy, dprobs.reshape(probs.shape)
+    body = functools.partial(_combine_bwd_kernel, num_rows=num_rows, top_k=top_k)
+    return _per_example(sharding.combine_grads(body), 2)
 
-    return _per_example(body, 2)
+
+def _combine_bwd_kernel(dout, y, idx, probs, dprobs_dtype=None, *, num_rows: int, top_k: int):
+    """dy, and dprobs in `dprobs_dtype` (default probs')."""
+    dprobs_dtype = probs.dtype if dprobs_dtype is None else jnp.dtype(dprobs_dtype)
+    recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1], y.shape[1],
+                                         top_k, dprobs_dtype.name)
+    dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
+    return dy, dprobs.reshape(probs.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -153,27 +181,28 @@ def _permute_tokens(top_k, num_tokens, x, idx):
 
 
 def _permute_tokens_fwd(top_k, num_tokens, x, idx):
-    return _permute_tokens(top_k, num_tokens, x, idx), idx
+    return _permute_tokens(top_k, num_tokens, x, idx), (idx, _rows_like(x))
 
 
-def _permute_tokens_bwd(top_k, num_tokens, idx, dout):
-    return _sum_copies(num_tokens * top_k, top_k, dout, idx), None
+def _permute_tokens_bwd(top_k, num_tokens, res, dout):
+    idx, tokens = res  # dx split like x's rows
+    return _sum_copies(num_tokens * top_k, top_k, dout, idx, tokens), None
 
 
 _permute_tokens.defvjp(_permute_tokens_fwd, _permute_tokens_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sum_copies(num_rows, top_k, y, idx):
-    return vary_like(_combine_op(num_rows, top_k, False)(y, idx), y)
+def _sum_copies(num_rows, top_k, y, idx, tokens):
+    return vary_like(_combine_op(num_rows, top_k, False)(y, idx, tokens), y)
 
 
-def _sum_copies_fwd(num_rows, top_k, y, idx):
-    return _sum_copies(num_rows, top_k, y, idx), idx
+def _sum_copies_fwd(num_rows, top_k, y, idx, tokens):
+    return _sum_copies(num_rows, top_k, y, idx, tokens), idx
 
 
 def _sum_copies_bwd(num_rows, top_k, idx, dout):
-    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None
+    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None, None
 
 
 _sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
@@ -322,7 +351,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     num_rows = check_int("num_rows", num_rows)
     if validate:
         contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
-    return vary_like(_inverse(permuted_indices, num_rows), permuted_indices)
+    return vary_like(_inverse(permuted_indices, num_rows, _unsplit(num_rows, permuted_indices.dtype)), permuted_indices)
 
 
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
@@ -348,5 +377,5 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:
-        return _sum_copies(num_rows, top_k, y, permuted_indices)
-    return _unpermute(num_rows, y, permuted_indices)
+        return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
+    return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))

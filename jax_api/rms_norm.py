@@ -2,7 +2,9 @@
 
 vmap: the kernel calls are `custom_vmap` functions, so a vmapped forward is just more rows, and a
 vmapped backward launches once with a batch grid axis that keeps one dw per example. A batched weight
-falls back to `lax.map` over the batch. Math and rounding: see `xkern/rms_norm.py`.
+falls back to `lax.map` over the batch. Math and rounding: see `xkern/rms_norm.py`. Under `jax.jit` the
+kernel calls partition themselves (jax_api/sharding.py); inside `jax.shard_map` with the hidden dim split,
+`rms_norm_tp` (at the end) names the axes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import sharding
-from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api._launch import _varying, check_array, execute, map_batched, vary_like
 from xkern.launch import check_float
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
 
@@ -125,3 +127,44 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *, varia
     # summed over the mesh axes by the transpose of that cast.
     weight = None if weight is None else vary_like(weight, x)
     return _rms_norm(x, weight, eps, variant)
+
+
+# Inside shard_map the arrays are already per-shard, so a split hidden dim must be named:
+
+
+def rms_norm_tp(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, axis_name) -> jax.Array:
+    """`jax_api.rms_norm` inside `jax.shard_map` (check_vma=True) where x's last dim is split over the mesh
+    axes `axis_name` (a name or a tuple): x [..., N/shards], weight [N/shards], this shard's columns. One
+    psum of the [rows] sums over `axis_name`; x is never gathered. dw: this shard's columns, summed over
+    the other axes x varies over (fp32 psum, then w's dtype). Under `jax.jit` without shard_map, plain
+    `jax_api.rms_norm` does this by itself for an x whose last dim is sharded."""
+    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (x, weight)):
+        rms_norm(x, weight, eps)  # raises the TypeError naming the argument
+    # rms_norm's argument checks, on shapes only (nothing runs)
+    jax.eval_shape(lambda a, b: rms_norm(a, b, eps), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, weight)))
+    axes = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(axes, tuple) or not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+    return _rms_norm_tp(axes, float(eps), x, weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rms_norm_tp(axes, eps, x, weight):
+    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+    return vary_like(sharding.fwd_width_sharded(axes, n_total, eps, x, weight), x)
+
+
+def _rms_norm_tp_fwd(axes, eps, x, weight):
+    return _rms_norm_tp(axes, eps, x, weight), (x, weight)
+
+
+def _rms_norm_tp_bwd(axes, eps, residuals, dy):
+    x, weight = residuals
+    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+    dx, dw = sharding.bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
+    row_axes = tuple(sorted(_varying(x) - _varying(weight) - set(axes)))
+    dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
+    return vary_like(dx, x), dw.astype(weight.dtype)
+
+
+_rms_norm_tp.defvjp(_rms_norm_tp_fwd, _rms_norm_tp_bwd)

@@ -15,10 +15,16 @@ weight; the width-sharded kernels compute the Llama math with a weight, the othe
   psum of those [rows] sums (one fp32 per row forward, two backward) over the hidden axes, then each device
   normalises its columns (the width-sharded kernels at the end of xkern/rms_norm.py). x is never gathered;
   w and dw are sharded like N. Results are within the fp32 contract of one device's (row sums reassociated).
-Gathers (permute_rows, unpermute_rows), x [rows, H]: H sharded is local. The indices are global, so
-sharded source rows are all-gathered over their axes first (rows x H/shards per device); permute_rows'
-output is sharded like its indices, unpermute_rows' output rows are replicated. The index ops
-(inverse_permutation, generate_permute_indices) run replicated: their inputs are all-gathered (integers).
+Gathers and combines (permute_rows, unpermute_rows, with and without top_k and probs), rows [n, H]: a sharded
+H is local. The indices are global, so a device all-gathers the rows it reads (rows x H/shards) and, to
+find its rows' slots, the indices (integers); it then computes its share of the output: a permute's slots
+sharded like the indices; a combine's tokens like probs (without probs: like x in a permute's backward,
+else like the output's users); a plain unpermute's rows like x in a permute's backward, else like the
+output's users. The weighted combine's backward runs on the slots, all-gathering dout's rows and probs;
+dprobs takes one FP32 all-reduce of [T, top_k] over the slot and hidden axes (each copy is one device's
+term; with H sharded, the devices' column sums). Results are bitwise one device's, but for dprobs with a
+sharded H (within the FP32 contract). The index ops read all-gathered indices or counts:
+inverse_permutation's rows split like its output's users, generate_permute_indices runs replicated.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from jax_api._launch import _varying, call, host_custom_call, vary_like
 from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
 
-def _dims(arg) -> list[tuple[str, ...]]:
+def dim_axes(arg) -> list[tuple[str, ...]]:
     """The mesh axes sharding each dim of `arg` (a ShapeDtypeStruct with a sharding), () where none."""
     sharding = arg.sharding
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
@@ -50,11 +56,11 @@ def _dims(arg) -> list[tuple[str, ...]]:
     return out
 
 
-def _named(mesh, dims) -> NamedSharding:
+def named_sharding(mesh, dims) -> NamedSharding:
     return NamedSharding(mesh, P(*[d if d else None for d in dims]))
 
 
-def _local(fn):
+def per_shard(fn):
     """`fn` as a per-shard function: its CPU launches become custom calls (see jax_api/_host_call.py)."""
 
     @functools.wraps(fn)
@@ -65,8 +71,8 @@ def _local(fn):
     return run
 
 
-def _partitioned(body, partition, rule: str, **factors):
-    op = custom_partitioning(body)
+def partitioned(body, partition, rule: str, **factors):
+    op = custom_partitioning(lambda *args: body(*args))  # positional only: body may be a partial with keywords
     op.def_partition(partition=partition, sharding_rule=rule, **factors)
 
     def apply(*args):
@@ -77,7 +83,7 @@ def _partitioned(body, partition, rule: str, **factors):
     return apply
 
 
-def _factors(n: int, prefix: str = "r") -> list[str]:
+def factor_names(n: int, prefix: str = "r") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
@@ -90,25 +96,25 @@ def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True, weighted: b
     """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned. Without `width_ok` (the
     variants the width-sharded kernels do not compute) a sharded hidden dim is gathered first. Without
     `weighted`, the op takes x alone (`body(x, None, eps)`)."""
-    rows = " ".join(_factors(ndim - 1))
+    rows = " ".join(factor_names(ndim - 1))
 
     def partition(mesh, arg_shapes, result_shape):
-        dims = _dims(arg_shapes[0])
+        dims = dim_axes(arg_shapes[0])
         if not width_ok:
             dims[-1] = ()
         hidden = dims[-1]
-        x_sharding = _named(mesh, dims)
+        x_sharding = named_sharding(mesh, dims)
         if not weighted:
-            return mesh, _local(lambda x: body(x, None, eps)), x_sharding, (x_sharding,)
+            return mesh, per_shard(lambda x: body(x, None, eps)), x_sharding, (x_sharding,)
         if hidden:
-            fn = functools.partial(_fwd_width_sharded, hidden, arg_shapes[0].shape[-1], eps)
+            fn = functools.partial(fwd_width_sharded, hidden, arg_shapes[0].shape[-1], eps)
         else:
             fn = lambda x, w: body(x, w, eps)  # noqa: E731
-        return mesh, _local(fn), x_sharding, (x_sharding, _named(mesh, [hidden]))
+        return mesh, per_shard(fn), x_sharding, (x_sharding, named_sharding(mesh, [hidden]))
 
     if not weighted:
-        return _partitioned(lambda x: body(x, None, eps), partition, f"{rows} n -> {rows} n")
-    return _partitioned(lambda x, w: body(x, w, eps), partition, f"{rows} n, n -> {rows} n")
+        return partitioned(lambda x: body(x, None, eps), partition, f"{rows} n -> {rows} n")
+    return partitioned(lambda x, w: body(x, w, eps), partition, f"{rows} n, n -> {rows} n")
 
 
 @functools.cache
@@ -116,42 +122,42 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool 
     """`body(dy, x, w, eps, n_batch_dims, dw_dtype)` (the single-device backward: dx, and dw with x's
     leading `n_batch_dims` dims, those of vmap) partitioned; `width_ok` as in `rms_norm_fwd`. Without
     `weighted`: (dy, x) -> dx."""
-    batch, rows = _factors(n_batch_dims, "b"), _factors(ndim - 1 - n_batch_dims)
+    batch, rows = factor_names(n_batch_dims, "b"), factor_names(ndim - 1 - n_batch_dims)
     lead = " ".join(batch + rows)
 
     def dx_only(dy, x):
         return body(dy, x, None, eps, n_batch_dims)[0]
 
     def partition(mesh, arg_shapes, result_shape):
-        dims = _dims(arg_shapes[1])
+        dims = dim_axes(arg_shapes[1])
         if not width_ok:
             dims[-1] = ()
         hidden = dims[-1]
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
-        x_sharding = _named(mesh, dims)
+        x_sharding = named_sharding(mesh, dims)
         if not weighted:
-            return mesh, _local(dx_only), x_sharding, (x_sharding, x_sharding)
+            return mesh, per_shard(dx_only), x_sharding, (x_sharding, x_sharding)
         n_total = arg_shapes[1].shape[-1]
 
         def fn(dy, x, w):
             if hidden:
-                dx, dw = _bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, x, w)
+                dx, dw = bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, x, w)
             else:
                 dx, dw = body(dy, x, w, eps, n_batch_dims, jnp.float32)
             if row_axes:  # the rows' dw of every device: one fp32 all-reduce, then w's dtype once
                 dw = jax.lax.psum(dw, row_axes)
             return dx, dw.astype(w.dtype)
 
-        dw_sharding = _named(mesh, dims[:n_batch_dims] + [hidden])
-        return mesh, _local(fn), (x_sharding, dw_sharding), (x_sharding, x_sharding, _named(mesh, [hidden]))
+        dw_sharding = named_sharding(mesh, dims[:n_batch_dims] + [hidden])
+        return mesh, per_shard(fn), (x_sharding, dw_sharding), (x_sharding, x_sharding, named_sharding(mesh, [hidden]))
 
     if not weighted:
-        return _partitioned(dx_only, partition, f"{lead} n, {lead} n -> {lead} n")
+        return partitioned(dx_only, partition, f"{lead} n, {lead} n -> {lead} n")
     rule = f"{lead} n, {lead} n, n -> {lead} n, {' '.join(batch)} n"
-    return _partitioned(lambda dy, x, w: body(dy, x, w, eps, n_batch_dims), partition, rule)
+    return partitioned(lambda dy, x, w: body(dy, x, w, eps, n_batch_dims), partition, rule)
 
 
-def _fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
+def fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
     """One shard's columns of the forward: local row sums, psum over `hidden`, local normalisation."""
     n_cols = x.shape[-1]
     out_dtype = jnp.promote_types(x.dtype, w.dtype)
@@ -167,7 +173,7 @@ def _fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
     return y.reshape(x.shape)
 
 
-def _bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, x, w):
+def bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, x, w):
     """One shard's columns of the backward: dx [x's shape] and the fp32 dw of its rows [batch..., N/shards]."""
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
@@ -192,67 +198,94 @@ def _bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, 
     return dx.reshape(x.shape), dw.reshape(batch_shape + (n_cols,))
 
 
-# Inside shard_map the arrays are already per-shard, so a split hidden dim must be named:
-
-
-def rms_norm_tp(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, axis_name) -> jax.Array:
-    """`jax_api.rms_norm` inside `jax.shard_map` (check_vma=True) where x's last dim is split over the mesh
-    axes `axis_name` (a name or a tuple): x [..., N/shards], weight [N/shards], this shard's columns. One
-    psum of the [rows] sums over `axis_name`; x is never gathered. dw: this shard's columns, summed over
-    the other axes x varies over (fp32 psum, then w's dtype). Under `jax.jit` without shard_map, plain
-    `jax_api.rms_norm` does this by itself for an x whose last dim is sharded."""
-    from jax_api.rms_norm import rms_norm
-
-    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (x, weight)):
-        rms_norm(x, weight, eps)  # raises the TypeError naming the argument
-    # rms_norm's argument checks, on shapes only (nothing runs)
-    jax.eval_shape(lambda a, b: rms_norm(a, b, eps), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, weight)))
-    axes = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if not isinstance(axes, tuple) or not axes or not all(isinstance(a, str) for a in axes):
-        raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
-    return _rms_norm_tp(axes, float(eps), x, weight)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rms_norm_tp(axes, eps, x, weight):
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    return vary_like(_fwd_width_sharded(axes, n_total, eps, x, weight), x)
-
-
-def _rms_norm_tp_fwd(axes, eps, x, weight):
-    return _rms_norm_tp(axes, eps, x, weight), (x, weight)
-
-
-def _rms_norm_tp_bwd(axes, eps, residuals, dy):
-    x, weight = residuals
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    dx, dw = _bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
-    row_axes = tuple(sorted(_varying(x) - _varying(weight) - set(axes)))
-    dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
-    return vary_like(dx, x), dw.astype(weight.dtype)
-
-
-_rms_norm_tp.defvjp(_rms_norm_tp_fwd, _rms_norm_tp_bwd)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Gathers and index ops
 
 
 @functools.cache
 def gather_rows(body):
-    """out = body(x, idx): out[i] = x[idx[i]], x [rows, H], idx [slots] (global row numbers)."""
+    """out = body(x, idx): out [slots, H], slot i reading the row of x [rows, H] that idx[i] names (global
+    numbers: permute_rows' rows, or with top_k its routed copies). Each device gathers its slots (idx's
+    sharding) on its columns (x's hidden sharding); sharded rows of x are all-gathered first."""
 
     def partition(mesh, arg_shapes, result_shape):
-        hidden = _dims(arg_shapes[0])[1]
-        slots = tuple(a for a in _dims(arg_shapes[1])[0] if a not in hidden)
-        out_sharding = _named(mesh, [slots, hidden])
-        return (mesh, _local(lambda x, idx: body(x, idx, idx.shape[0])), out_sharding,
-                (_named(mesh, [(), hidden]), _named(mesh, [slots])))
+        hidden = dim_axes(arg_shapes[0])[1]
+        slots = _without(dim_axes(arg_shapes[1])[0], hidden)
+        return (mesh, per_shard(body), named_sharding(mesh, [slots, hidden]),
+                (named_sharding(mesh, [(), hidden]), named_sharding(mesh, [slots])))
 
-    op = _partitioned(lambda x, idx: body(x, idx, idx.shape[0]), partition, "r h, s -> s h",
-                      need_replication_factors=("r",))
-    return op
+    return partitioned(body, partition, "r h, s -> s h", need_replication_factors=("r",))
+
+
+@functools.cache
+def combine_rows(body, num_rows: int, top_k: int):
+    """out = body(y, idx, num_rows, probs): out [num_rows // top_k, H], token t summing (weighted by probs [T,
+    top_k], or by 1 where body ignores probs) the rows of y [slots, H] that hold its copies t * top_k + j, idx
+    [slots] naming global copies. Each device computes its tokens (probs' row sharding) on its columns (y's
+    hidden sharding): y's rows and idx are all-gathered, idx renumbered from the device's first copy
+    (`_renumbered`); bitwise one device's result."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        hidden = dim_axes(arg_shapes[0])[1]
+        tokens = _split_rows(mesh, arg_shapes[2], result_shape, hidden)
+        local_rows = num_rows // _size(mesh, tokens)
+
+        def fn(y, idx, probs):
+            return body(y, _renumbered(idx, tokens, local_rows), local_rows, probs)
+
+        return (mesh, per_shard(fn), named_sharding(mesh, [tokens, hidden]),
+                (named_sharding(mesh, [(), hidden]), named_sharding(mesh, [()]), named_sharding(mesh, [tokens, ()])))
+
+    return partitioned(lambda y, idx, probs: body(y, idx, num_rows, probs), partition, "s h, s, t k -> t h",
+                       need_replication_factors=("s", "k"))
+
+
+@functools.cache
+def inverse_rows(body, num_rows: int):
+    """inv = body(idx, num_rows, like): inv [num_rows], inv[r] the slot s with idx[s] = r (-1 where none), like
+    [num_rows, 1] an array whose values are not read. Each device computes its rows (like's row sharding):
+    idx is all-gathered and renumbered from the device's first row (`_renumbered`)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows = _split_rows(mesh, arg_shapes[1], result_shape, ())
+        local_rows = num_rows // _size(mesh, rows)
+
+        def fn(idx, like):
+            return body(_renumbered(idx, rows, local_rows), local_rows, like)
+
+        return (mesh, per_shard(fn), named_sharding(mesh, [rows]),
+                (named_sharding(mesh, [()]), named_sharding(mesh, [rows, ()])))
+
+    return partitioned(lambda idx, like: body(idx, num_rows, like), partition, "s, r k -> r",
+                       need_replication_factors=("s", "k"))
+
+
+@functools.cache
+def combine_grads(body):
+    """(dy, dprobs) = body(dout, y, idx, probs[, dprobs_dtype]): the weighted combine's backward, slot s holding
+    copy r = idx[s] of token t: dy[s] = p[r] * dout[t], dprobs[r] = <y[s], dout[t]>. Each device runs its slots
+    (idx's sharding) on its columns (y's hidden sharding); dout's rows and probs are all-gathered. A device
+    writes dprobs for the copies its slots hold (zeros elsewhere), each a partial sum over its columns, in
+    FP32: one FP32 psum of dprobs [T, top_k] over the slot and hidden axes, then probs' dtype once. With only
+    slots sharded each copy has one nonzero term (bitwise one device's); a sharded hidden dim reassociates
+    the sum over columns."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        hidden = dim_axes(arg_shapes[1])[1]
+        slots = _without(dim_axes(arg_shapes[2])[0], hidden)
+
+        def fn(dout, y, idx, probs):
+            if not slots + hidden:
+                return body(dout, y, idx, probs)
+            dy, dprobs = body(dout, y, idx, probs, jnp.float32)
+            return dy, jax.lax.psum(dprobs, slots + hidden).astype(probs.dtype)
+
+        rows, full = named_sharding(mesh, [slots, hidden]), named_sharding(mesh, [(), ()])
+        return (mesh, per_shard(fn), (rows, full),
+                (named_sharding(mesh, [(), hidden]), rows, named_sharding(mesh, [slots]), full))
+
+    return partitioned(lambda dout, y, idx, probs: body(dout, y, idx, probs), partition,
+                       "t h, s h, s, t k -> s h, t k", need_replication_factors=("t", "k"))
 
 
 @functools.cache
@@ -265,7 +298,30 @@ def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ..
 
     def partition(mesh, arg_shapes, result_shape):
         rep = NamedSharding(mesh, P())
-        return mesh, _local(body), jax.tree.map(lambda _: rep, result_shape), (rep,) * n_in
+        return mesh, per_shard(body), jax.tree.map(lambda _: rep, result_shape), (rep,) * n_in
 
-    return _partitioned(body, partition, f"{', '.join(ins)} -> {', '.join(outs)}",
-                        need_replication_factors=tuple(used))
+    return partitioned(body, partition, f"{', '.join(ins)} -> {', '.join(outs)}",
+                       need_replication_factors=tuple(used))
+
+
+def _without(axes, taken) -> tuple[str, ...]:
+    return tuple(a for a in axes if a not in taken)
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _split_rows(mesh, like, result, taken) -> tuple[str, ...]:
+    """The mesh axes splitting the output rows: like's rows' (else the result's), less `taken`, where they split
+    the rows evenly (each device's first row is then its index over them times rows / shards)."""
+    axes = _without(dim_axes(like)[0] or dim_axes(result)[0], taken)
+    return axes if result.shape[0] % _size(mesh, axes) == 0 else ()
+
+
+def _renumbered(idx, axes, local_rows: int):
+    """idx (global row numbers) counted from this device's first row: a row of another device falls outside
+    [0, local_rows), where the kernels skip it as they skip an out-of-range entry on one device."""
+    if not axes:
+        return idx
+    return idx - (jax.lax.axis_index(axes) * local_rows).astype(idx.dtype)

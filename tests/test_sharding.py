@@ -1,17 +1,21 @@
 """The jax_api ops under `jax.jit` with sharded inputs (jax_api/sharding.py), on 4 and 8 CPU devices.
 
 Each device count runs in one child process (XLA_FLAGS must be set before jax initialises), which checks
-every case and reports one line per case; the tests here read that report. Per case: outputs keep x's
-sharding, the compiled HLO has no all-gather where none is needed, and the results equal one device's:
-y and dx bit for bit where rows are sharded, within the contract (xkern.reference.check) where the width
-is, dw within the contract; under grad, vmap and remat. A second child exports a sharded step for CUDA.
+every case and reports one line per case; the tests here read that report. Per case: no value placed on
+one device (a `{maximal}` sharding in the lowered module), outputs sharded as docs/sharding.md says, the
+compiled program's collectives no more than that table's (none where the hidden dim is sharded), and the
+results equal one device's: bit for bit where rows, slots or tokens are sharded, within the contract
+(xkern.reference) where a sum runs over a sharded width; the norms under grad, vmap and remat, the MoE
+gathers and combines forward and backward. A second child exports a sharded step for CUDA.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,8 +40,17 @@ GATHER_CASES = {
     "gather rows 1d": ("1d", ("d", None), ("d",), True),
     "gather rows and hidden 2d": ("2d", ("data", "model"), ("data",), True),
 }
+# MoE top-k cases: (mesh, x's spec over [tokens 16, hidden 32], the slot indices' spec [40], probs' spec [16, 2])
+MOE_CASES = {
+    "moe hidden 1d": ("1d", (None, "d"), (None,), (None, None)),
+    "moe tokens 1d": ("1d", ("d", None), ("d",), ("d", None)),
+    "moe tokens and hidden 2d": ("2d", ("data", "model"), ("data",), ("data", None)),
+    "moe tokens over 2 axes": ("2d", (("data", "model"), None), (("data", "model"),), (("data", "model"), None)),
+}
+MOE_CHECKS = ["dispatch", "combine", "copy sum", "grads"]
 CHECKS = ["fwd", "grad", "vmap", "remat"]
 CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + [
+    f"{c}: {k}" for c in MOE_CASES for k in MOE_CHECKS] + [
     "variants", "index ops", "readme step", "add rows", "add width 1d", "add rows and width 2d"]
 
 
@@ -89,6 +102,33 @@ def test_rms_norm_tp_checks_its_arguments():
         jax_api.rms_norm_tp([1.0], w, axis_name="model")
 
 
+def test_jax_api_imports_no_cycle():
+    """No jax_api module imports, directly or through others, a module that imports it back."""
+    deps = {}
+    for path in (ROOT / "jax_api").glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "jax_api":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_api."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("jax_api.")}
+        deps[path.stem] = found - {path.stem, "__init__"}
+    assert deps["sharding"] and deps["rms_norm"] >= {"sharding"}, deps  # the walk sees imports
+
+    def reach(start):
+        seen, todo = set(), list(deps[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(deps.get(m, ()))
+        return seen
+
+    assert not [m for m in deps if m in reach(m)], deps
+
+
 @pytest.mark.sm90_static  # conftest.py: CPU CI runs it, a GPU run skips it
 def test_sharded_step_exports_for_cuda():
     missing = [pkg for pkg, mod in (("jax-triton", "jax_triton"), ("jax-cuda13-plugin", "jax_cuda13_plugin"))
@@ -117,6 +157,8 @@ def test_sharded_step_exports_for_cuda():
 
 
 def _check_all(n_devices: int) -> dict:
+    import re
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -141,9 +183,27 @@ def _check_all(n_devices: int) -> dict:
         except Exception as e:  # one line per failing case, the others still run
             report[name] = f"{type(e).__name__}: {e}"[:2000]
 
+    def collectives(f, *args) -> list[tuple[str, str]]:
+        """The compiled program's collectives as (kind, result type without layout); asserts that no value was
+        given a single-device (maximal) sharding, which the compiled text no longer shows."""
+        lowered = f.lower(*args)
+        assert "maximal" not in lowered.as_text(), "a value placed on one device ({maximal ...} sharding)"
+        hlo = lowered.compile().as_text()
+        kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter|collective-broadcast"
+        ops = re.findall(rf"= (\([^)]*\)|\S+) ({kinds})(-start)?\(", hlo)
+        assert len(ops) == len(re.findall(rf"\b(?:{kinds})(?:-start)?\(", hlo)), "a collective not parsed"
+        found = []
+        for shape, kind, start in ops:  # a combined collective has a tuple type; an async all-gather (GPU)
+            parts = re.sub(r"\{[^}]*\}", "", shape).strip("()").split(", ")  # (operands, results)
+            found += [(kind, part) for part in (parts[len(parts) // 2:] if start and kind == "all-gather" else parts)]
+        return found
+
+    def only(found, allowed, what):
+        extra = [c for c in found if c not in allowed]
+        assert not extra, f"{what}: {extra} beyond {sorted(allowed)}"
+
     def no_all_gather(f, *args):
-        hlo = f.lower(*args).compile().as_text()
-        assert "all-gather" not in hlo, "all-gather in the compiled HLO"
+        assert not [c for c in collectives(f, *args) if c[0] == "all-gather"], "all-gather in the compiled HLO"
 
     def same(a, b, what):
         a, b = np.asarray(a), np.asarray(b)
@@ -272,10 +332,12 @@ def _check_all(n_devices: int) -> dict:
             out, dx = f(x, idx), g(x, idx)
             same(out, f(jnp.asarray(x0), one_idx), "permute_rows")
             same(dx, g(jnp.asarray(x0), one_idx), "dx")
-            if not gathers:
-                no_all_gather(f, x, idx)
-                no_all_gather(g, x, idx)
-                sharded_like(dx, x_sh, "dx")
+            # hidden sharded: no communication; rows: all-gathers of the rows an op reads and of the indices
+            cols = 64 // math.prod(mesh.shape[a] for a in ([spec[1]] if spec[1] else []))
+            reads = {("all-gather", f"f32[{n},{cols}]") for n in (16, 24)} | {("all-gather", "s32[24]")}
+            only(collectives(f, x, idx), reads if gathers else set(), "permute_rows")
+            only(collectives(g, x, idx), reads | {("all-reduce", "f32[]")} if gathers else set(), "grad")
+            sharded_like(dx, x_sh, "dx")
             sharded_like(out, NamedSharding(mesh, P(idx_spec[0], spec[1])), "permute_rows")
 
         case(name, gather)
@@ -283,17 +345,100 @@ def _check_all(n_devices: int) -> dict:
     for name, params in GATHER_CASES.items():
         gather_case(name, *params)
 
-    def index_ops():
+    def index_ops():  # replicated: the (integer) inputs all-gathered
         mesh = meshes["1d"]
         counts = jax.device_put(counts0, NamedSharding(mesh, P("d")))
         f = jax.jit(lambda c: jax_api.generate_permute_indices(c, 4, 2, 24, 4))
         for got, want in zip(f(counts), f(jnp.asarray(counts0))):
             same(got, want, "generate_permute_indices")
+        only(collectives(f, counts), {("all-gather", "s32[8]")}, "generate_permute_indices")
         idx = jax.device_put(one_idx[:16], NamedSharding(mesh, P("d")))
         inv = jax.jit(lambda i: jax_api.inverse_permutation(i, 16))
         same(inv(idx), inv(one_idx[:16]), "inverse_permutation")
+        only(collectives(inv, idx), {("all-gather", "s32[16]")}, "inverse_permutation")
+        # its rows split like the output's users: each device finds the slots of its rows
+        split = jax.jit(lambda i: jax_api.inverse_permutation(i, 16), out_shardings=NamedSharding(mesh, P("d")))
+        same(split(idx), inv(one_idx[:16]), "inverse_permutation, rows split")
+        sharded_like(split(idx), NamedSharding(mesh, P("d")), "inverse_permutation")
+        only(collectives(split, idx), {("all-gather", "s32[16]")}, "inverse_permutation, rows split")
 
     case("index ops", index_ops)
+
+    top_k, n_tokens, hidden, n_slots = 2, 16, 32, 40
+    copies = rng.permutation(n_tokens * top_k)[:-1]  # one copy dropped (no slot names it)
+    moe_idx = rng.permutation(np.concatenate([copies, -np.ones(n_slots - len(copies))])).astype(np.int32)
+
+    def moe_case(name, mesh_name, spec, idx_spec, probs_spec):
+        """The top-k permute and the combines (weighted, copy sum), forward and backward. Hidden sharded: no
+        communication but dprobs' all-reduce; tokens or slots sharded: each device computes its share,
+        all-gathering the rows it reads (and the indices, probs), bitwise one device's result."""
+        mesh = meshes[mesh_name]
+        x0 = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+        y0 = rng.standard_normal((n_slots, hidden)).astype(np.float32)
+        p0 = rng.standard_normal((n_tokens, top_k)).astype(np.float32)
+        d0 = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+        x_sh, p_sh = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*probs_spec))
+        slot_sh = NamedSharding(mesh, P(idx_spec[0], spec[1]))
+        x, d = jax.device_put(x0, x_sh), jax.device_put(d0, x_sh)
+        y, idx = jax.device_put(y0, slot_sh), jax.device_put(moe_idx, NamedSharding(mesh, P(*idx_spec)))
+        p = jax.device_put(p0, p_sh)
+        one = {k: jnp.asarray(v) for k, v in dict(x=x0, y=y0, idx=moe_idx, p=p0, d=d0).items()}
+        cols = hidden // math.prod(mesh.shape[a] for a in ([spec[1]] if spec[1] else []))
+        width_only = spec[0] is None
+        rows = {("all-gather", f"f32[{n},{cols}]") for n in (n_tokens, n_slots)}
+        ints = {("all-gather", f"s32[{n_slots}]"), ("all-gather", f"f32[{n_tokens},{top_k}]")}
+        # dprobs: one all-reduce (XLA may make it a reduce-scatter where the result is sliced like probs)
+        dprobs = {("all-reduce", f"f32[{n_tokens},{top_k}]")} | {
+            ("reduce-scatter", f"f32[{n_tokens // n},{top_k}]") for n in (2, 4, 8)}
+
+        def dispatch():
+            f = jax.jit(lambda x, idx: jax_api.permute_rows(x, idx, top_k=top_k))
+            out = f(x, idx)
+            same(out, f(one["x"], one["idx"]), "permute_rows")
+            sharded_like(out, slot_sh, "permute_rows")
+            only(collectives(f, x, idx), set() if width_only else rows, "permute_rows")
+
+        def combine():
+            f = jax.jit(lambda y, idx, p: jax_api.unpermute_rows(y, idx, n_tokens * top_k, top_k=top_k, probs=p))
+            out = f(y, idx, p)
+            same(out, f(one["y"], one["idx"], one["p"]), "combine")
+            sharded_like(out, NamedSharding(mesh, P(probs_spec[0], spec[1])), "combine")
+            only(collectives(f, y, idx, p), set() if width_only else rows | ints, "combine")
+
+        def copy_sum():  # no probs: the output's users say how its tokens split (here out_shardings)
+            f = jax.jit(lambda y, idx: jax_api.unpermute_rows(y, idx, n_tokens * top_k, top_k=top_k),
+                        out_shardings=x_sh)
+            out = f(y, idx)
+            same(out, f(one["y"], one["idx"]), "copy sum")
+            sharded_like(out, x_sh, "copy sum")
+            only(collectives(f, y, idx), set() if width_only else rows | ints, "copy sum")
+
+        def grads():
+            def loss(x, idx, p, d):
+                y = jax_api.permute_rows(x, idx, top_k=top_k) * 2.0
+                return jnp.sum(jax_api.unpermute_rows(y, idx, n_tokens * top_k, top_k=top_k, probs=p) * d)
+
+            f = jax.jit(jax.grad(loss, argnums=(0, 2)))
+            dx, dp = f(x, idx, p, d)
+            want_dx, want_dp = f(one["x"], one["idx"], one["p"], one["d"])
+            same(dx, want_dx, "dx")
+            sharded_like(dx, x_sh, "dx")
+            if spec[1] is None:
+                same(dp, want_dp, "dprobs")
+            else:  # dprobs sums over the hidden dim: each device its columns, one fp32 all-reduce
+                y64 = np.asarray(R.permute_token_rows(x0, moe_idx, top_k), np.float64) * 2.0
+                ref = R.combine_rows_bwd(d0, y64, moe_idx, n_tokens * top_k, top_k, p0)[1]
+                mag = R.combine_rows_bwd(np.abs(d0), np.abs(y64), moe_idx, n_tokens * top_k, top_k, p0)[1]
+                err, tol = np.abs(np.asarray(dp, np.float64) - ref), R.combine_tolerance(mag, hidden, "float32")
+                assert (err <= tol).all(), f"dprobs: {err.max()} beyond the tolerance"
+            allowed = dprobs | {("all-reduce", "f32[]")} | (set() if width_only else rows | ints)
+            only(collectives(f, x, idx, p, d), allowed, "grads")
+
+        for check, fn in zip(MOE_CHECKS, (dispatch, combine, copy_sum, grads)):
+            case(f"{name}: {check}", fn)
+
+    for name, params in MOE_CASES.items():
+        moe_case(name, *params)
 
     def readme_step():  # docs/sharding.md's step; its results are left pending: the process must still exit
         import re
