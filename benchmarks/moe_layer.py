@@ -21,8 +21,8 @@ Dispatch + combine paths (the rest of the step is the same code):
   (one host read of the tile count per step, so its step cannot be one CUDA graph: timed eagerly, the row
   says so), the gather fused into the up-projection's loads, its own grouped GEMMs, a weighted-sum kernel;
   its backward recomputes through the down projection and adds dprobs with atomics. The experts are
-  inside it, so it has no dispatch + combine row. On CPU its backward does not run under Triton's
-  interpreter (a bf16 `atomic_add`): the row says skipped.
+  inside it, so it has no dispatch + combine row. On CPU its kernels do not run under Triton's interpreter
+  (`liger_status`): the row says skipped.
 - TransformerEngine's `moe_permute_with_probs` / `moe_unpermute(merging_probs=)` where importable (it is not
   installed on the lent GPU machines: the row says so).
 
@@ -202,8 +202,10 @@ def transformer_engine_status() -> str | None:
 
 
 def liger_status(device: str) -> str | None:
-    if device != "cuda":  # its backward's bf16 tl.atomic_add: "Unsupported data type" in Triton 3.6's interpreter
-        return "its backward does not run under Triton's interpreter (bf16 atomic_add); GPU only"
+    # Under Triton 3.6's interpreter (liger-kernel 0.8.5, smoke size) its routing metadata is right but its
+    # forward's output is off by ~1e10 and its backward raises (a bf16 tl.atomic_add: "Unsupported data type").
+    if device != "cuda":
+        return "its kernels do not run under Triton's interpreter (wrong forward, bf16 atomic_add); GPU only"
     return _import_status("liger_kernel.ops.fused_moe")
 
 
