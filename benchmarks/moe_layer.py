@@ -285,7 +285,7 @@ def same_bits(a, b) -> bool:
 
 
 def reference_errors(inp: dict, top_k: int, got, whole: bool) -> dict:
-    """Relative L2 distance, ||got - ref|| / ||ref||, of each result of `torch_step` (named as `RESULTS`) to
+    """Relative L2 distance, ||got - ref|| / ||ref||, of each result of `torch_step` (named as `RESULT_NAMES`) to
     the FP32 reference: the same bf16 inputs (exact in FP32), the same expert choices (the bf16 router's top-k:
     FP32 logits could pick another expert at a near tie), every operation in FP32. The experts run one at a
     time and each weight gradient is compared as it is made (the DeepSeek-V3 size's weights alone would take
@@ -303,7 +303,7 @@ def reference_errors(inp: dict, top_k: int, got, whole: bool) -> dict:
     dout = inp["dout"].float()
     with torch.no_grad():
         probs_bf16, ids = route(inp["x"], inp["w_router"], top_k)
-    names = RESULTS[whole]
+    names = RESULT_NAMES[whole]
     if not whole:  # identity experts: out[t] = sum_j p[t, j] x[t]
         p32 = probs_bf16.float().requires_grad_()
         out = p32.sum(-1, keepdim=True) * x32
@@ -345,7 +345,7 @@ def reference_errors(inp: dict, top_k: int, got, whole: bool) -> dict:
     return errors
 
 
-RESULTS = {True: ("out", "dx", "dw_router", "dw13", "dw2"), False: ("out", "dx", "dprobs")}
+RESULT_NAMES = {True: ("out", "dx", "dw_router", "dw13", "dw2"), False: ("out", "dx", "dprobs")}
 
 
 def ref_check(errors: dict, tol: float = REF_TOL) -> str:
