@@ -32,7 +32,7 @@ Reported per size and path:
   `moe_layer.REF_TOL`); `bitwise_run_to_run` (outputs and every gradient, two runs).
 - `vs_torch_xkern`: the step's time over the torch xkern step's at the same size and part, read from the
   torch benchmark's JSON (`--torch-json`, default: the `*-moe-layer*.json` beside `--out`), a separate
-  process run on the same machine.
+  process run on the same machine (`--add-ratios JAX_JSON --torch-json TORCH_JSON` adds them afterwards).
 
 XLA: `--xla-flags` (default `--xla_gpu_autotune_level=0`) is added to XLA_FLAGS before jax loads: XLA's GEMM
 autotuner once asked for 65 GiB beside torch in one process. jax 0.10's GPU `ragged_dot` may lower to a dense
@@ -437,6 +437,20 @@ def add_ratios(rows: list[dict], torch: list[dict]) -> None:
             r["vs_torch_xkern"] = r["us"] / ref["us"]
 
 
+def add_ratios_to(path: str, torch: list[dict]) -> int:
+    """Add the ratios to `torch`'s rows to a JSON this benchmark wrote (the torch step ran in another call)."""
+    with open(path) as f:
+        results = json.load(f)
+    add_ratios(results["rows"], torch)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    md = markdown(results["rows"], results["gpu"], results["xla_flags"])
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0 if any("vs_torch_xkern" in r for r in results["rows"]) else 1
+
+
 def markdown(rows: list[dict], device: str, xla_flags: str) -> str:
     lines = [f"## MoE layer step (JAX) on {device} (fwd + bwd, bf16, jit; XLA_FLAGS `{xla_flags}`; FP32 reference: "
              f"worst relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
@@ -466,7 +480,11 @@ def main(argv=None) -> int:
                         "*-moe-layer*.json files in --out)")
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
                         f"(default: {DEFAULT_XLA_FLAGS!r}; '' for none)")
+    parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
+                        "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)
+    if args.add_ratios:
+        return add_ratios_to(args.add_ratios, torch_rows(args.torch_json, os.path.dirname(args.add_ratios)))
 
     from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
 
