@@ -51,7 +51,17 @@ import json
 import os
 import sys
 
-from benchmarks.moe_layer import ALIGN, EXACT_BYTES, REF_TOL, RESULT_NAMES, SIZES, SMOKE_SIZE, plot, ref_check
+from benchmarks.moe_layer import (
+    ALIGN,
+    EXACT_BYTES,
+    REF_TOL,
+    RESULT_NAMES,
+    cells,
+    chosen_sizes,
+    ref_check,
+    size_arguments,
+    write_results,
+)
 
 PATHS = ("xkern", "maxtext")
 DEFAULT_XLA_FLAGS = "--xla_gpu_autotune_level=0"
@@ -457,13 +467,8 @@ def markdown(rows: list[dict], device: str, xla_flags: str) -> str:
              "| size | part | path | µs | xkern / maxtext | / torch xkern | compiled peak MiB | FP32 reference | "
              "bitwise run-to-run | status |", "|---|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
-        other = next((p for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and p["impl"] == "maxtext"
-                      and "us" in p), None)
-        us = f"{r['us']:.1f}" if "us" in r else ""
-        ratio = f"{r['us'] / other['us']:.2f}x" if us and other and r["impl"] == "xkern" else ""
+        us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] == "maxtext")
         torch = f"{r['vs_torch_xkern']:.2f}x" if "vs_torch_xkern" in r else ""
-        peak = f"{r['peak_mib']:.1f}" if "peak_mib" in r else ""
-        ref = f"{r['ref_check'].split(':')[0]} ({max(r['ref_rel_l2'].values()):.1e})" if "ref_rel_l2" in r else ""
         lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {torch} | "
                      f"{peak} | {ref} | {r.get('bitwise_run_to_run', '')} | {r['status']} |")
     return "\n".join(lines)
@@ -471,11 +476,7 @@ def markdown(rows: list[dict], device: str, xla_flags: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
-    parser.add_argument("--tokens", type=int, help="tokens per step (default: each size's own)")
-    parser.add_argument("--out", help="directory for <gpu>-jax-moe-layer.json/.md (default: benchmarks/results/<gpu "
-                        "kind>/ on a GPU, nothing on CPU)")
-    parser.add_argument("--smoke", action="store_true", help="tiny size, every path run through once")
+    size_arguments(parser, "jax-moe-layer")
     parser.add_argument("--torch-json", help="the torch benchmark's JSON for the ratios (default: the "
                         "*-moe-layer*.json files in --out)")
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
@@ -500,13 +501,9 @@ def main(argv=None) -> int:
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     device = jax.devices()[0].device_kind if GPU else "cpu"
-    sizes = {"smoke": SMOKE_SIZE} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
-    if args.tokens and not smoke:
-        for size in sizes.values():
-            size["tokens"] = args.tokens
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
-    for label, size in sizes.items():
+    for label, size in chosen_sizes(args, smoke).items():
         rows += run_size(label, size, lambda m: print(m, flush=True))
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
     add_ratios(rows, torch_rows(args.torch_json, out_dir))
@@ -514,19 +511,9 @@ def main(argv=None) -> int:
     md = markdown(rows, device, xla_flags)
     print("\n" + md)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        chosen = "" if smoke or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
-        stem = os.path.join(out_dir, gpu_kind(device) + "-jax-moe-layer" + chosen)
-        with open(stem + ".json", "w") as f:
-            json.dump({"gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                       "ref_tol": REF_TOL, "xla_flags": xla_flags, "jax": jax.__version__, "rows": rows}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(md + "\n")
-        try:
-            drawn = plot(rows, device, stem + ".png")
-        except ImportError as err:  # no matplotlib: the tables are still written
-            drawn = f"no plot ({err})"
-        print(f"wrote {stem}.json, .md and {drawn}")
+        write_results(out_dir, device, "jax-moe-layer", args, {
+            "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
+            "ref_tol": REF_TOL, "xla_flags": xla_flags, "jax": jax.__version__, "rows": rows}, md)
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"].startswith("error") or r.get("ref_check", "pass")
                                                          != "pass" or r.get("bitwise_run_to_run") is False)]
     return 1 if bad else 0

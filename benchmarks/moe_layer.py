@@ -24,7 +24,7 @@ Dispatch + combine paths (the rest of the step is the same code):
   inside it, so it has no dispatch + combine row. On CPU its kernels do not run under Triton's interpreter
   (`liger_status`): the row says skipped.
 - TransformerEngine's `moe_permute_with_probs` / `moe_unpermute(merging_probs=)` where importable (it is not
-  installed on the lent GPU machines: the row says so).
+  installed on the GPU machines measured so far: the row says so).
 
 Reported per size and path: the whole step's device time, dispatch + combine alone (forward + backward with
 identity experts), peak memory of one eager step above what was allocated before it, the output's and every
@@ -432,16 +432,22 @@ def markdown(rows: list[dict], gpu: str) -> str:
              "| size | part | path | µs | xkern / best peer | peak MiB | FP32 reference | bitwise run-to-run | "
              "max rel diff vs torchtitan | status |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
     for r in rows:
-        peers = [p["us"] for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and "us" in p
-                 and p["impl"] != "xkern"]
-        us = f"{r['us']:.1f}" if "us" in r else ""
-        ratio = f"{r['us'] / min(peers):.2f}x" if us and peers and r["impl"] == "xkern" else ""
-        peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else ""
-        ref = f"{r['ref_check'].split(':')[0]} ({max(r['ref_rel_l2'].values()):.1e})" if "ref_rel_l2" in r else ""
+        us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] != "xkern")
         rel = f"{r['max_rel_diff_vs_torchtitan']:.2e}" if "max_rel_diff_vs_torchtitan" in r else ""
         lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {peak} | {ref} "
                      f"| {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']} |")
     return "\n".join(lines)
+
+
+def cells(r: dict, rows: list[dict], is_peer) -> tuple[str, str, str, str]:
+    """A row's table cells: µs, xkern's time over the best peer's (`is_peer(row)`) of its size and part, peak
+    MiB, and the FP32 reference check with its worst relative L2."""
+    peers = [p["us"] for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and "us" in p and is_peer(p)]
+    us = f"{r['us']:.1f}" if "us" in r else ""
+    ratio = f"{r['us'] / min(peers):.2f}x" if us and peers and r["impl"] == "xkern" else ""
+    peak = "" if "peak_mib" not in r else f"{r['peak_mib']:.1f}" if r["peak_mib"] < 100 else f"{r['peak_mib']:.0f}"
+    ref = f"{r['ref_check'].split(':')[0]} ({max(r['ref_rel_l2'].values()):.1e})" if "ref_rel_l2" in r else ""
+    return us, ratio, peak, ref
 
 
 def plot(rows: list[dict], gpu: str, path: str) -> str | None:
@@ -470,13 +476,46 @@ def plot(rows: list[dict], gpu: str, path: str) -> str | None:
     return path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def size_arguments(parser, name: str) -> None:
+    """The arguments both MoE layer benchmarks take; `name` is the results' file name after `<gpu>-`."""
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
     parser.add_argument("--tokens", type=int, help="tokens per step (default: each size's own)")
-    parser.add_argument("--out", help="directory for <gpu>-moe-layer.json/.md (default: benchmarks/results/<gpu "
-                        "kind>/ on a GPU, nothing on CPU)")
+    parser.add_argument("--out", help=f"directory for <gpu>-{name}[-<sizes>].json/.md (default: "
+                        "benchmarks/results/<gpu kind>/ on a GPU, nothing on CPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, every path run through once")
+
+
+def chosen_sizes(args, smoke: bool) -> dict:
+    """{label: size} of the arguments (the smoke size alone when `smoke`), --tokens applied."""
+    sizes = {"smoke": dict(SMOKE_SIZE)} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
+    for size in sizes.values():
+        if args.tokens and not smoke:
+            size["tokens"] = args.tokens
+    return sizes
+
+
+def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str) -> str:
+    """`<out_dir>/<gpu kind>-<name>[-<sizes>]` .json (results), .md and .png: its stem."""
+    from benchmarks.machine import gpu_kind
+
+    os.makedirs(out_dir, exist_ok=True)
+    chosen = "" if results["smoke"] or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
+    stem = os.path.join(out_dir, gpu_kind(gpu) + "-" + name + chosen)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    try:
+        drawn = plot(results["rows"], gpu, stem + ".png")
+    except ImportError as err:  # no matplotlib: the tables are still written
+        drawn = f"no plot ({err})"
+    print(f"wrote {stem}.json, .md and {drawn}")
+    return stem
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size_arguments(parser, "moe-layer")
     args = parser.parse_args(argv)
 
     from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
@@ -488,31 +527,17 @@ def main(argv=None) -> int:
     timing.set_smoke(smoke)
     device = "cuda" if GPU else "cpu"
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
-    sizes = {"smoke": SMOKE_SIZE} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
-    if args.tokens and not smoke:
-        for size in sizes.values():
-            size["tokens"] = args.tokens
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
-    for label, size in sizes.items():
+    for label, size in chosen_sizes(args, smoke).items():
         rows += run_size(label, size, device, lambda m: print(m, flush=True))
     md = markdown(rows, gpu)
     print("\n" + md)
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        chosen = "" if smoke or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
-        stem = os.path.join(out_dir, gpu_kind(gpu) + "-moe-layer" + chosen)
-        with open(stem + ".json", "w") as f:
-            json.dump({"gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                       "ref_tol": REF_TOL, "versions": versions(), "rows": rows}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(md + "\n")
-        try:
-            drawn = plot(rows, gpu, stem + ".png")
-        except ImportError as err:  # no matplotlib: the tables are still written
-            drawn = f"no plot ({err})"
-        print(f"wrote {stem}.json, .md and {drawn}")
+        write_results(out_dir, gpu, "moe-layer", args, {
+            "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
+            "ref_tol": REF_TOL, "versions": versions(), "rows": rows}, md)
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False
                                                          or r.get("ref_check", "pass") != "pass")]
     return 1 if bad else 0

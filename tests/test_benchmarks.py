@@ -377,9 +377,9 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     """`benchmarks.jax_moe_layer --smoke`: xkern's and MaxText's paths, the whole step and dispatch + combine,
     each checked against the FP32 reference, bitwise run to run, its compiled memory and its time over the torch
     xkern row's read from the torch benchmark's JSON."""
-    from benchmarks import jax_moe_layer, timing
+    from benchmarks import jax_moe_layer, moe_layer, timing
 
-    size = jax_moe_layer.SMOKE_SIZE
+    size = moe_layer.SMOKE_SIZE
     torch_rows = [{"framework": "torch", "impl": "xkern", "part": part, "us": 1.0, "size": "smoke", **size}
                   for part in ("layer", "dispatch+combine")]
     (tmp_path / "cpu-moe-layer.json").write_text(json.dumps({"rows": torch_rows}))
@@ -396,7 +396,7 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
 
 
-@pytest.mark.parametrize("path", ["xkern", "maxtext"])
+@pytest.mark.parametrize("path", [pytest.param("xkern", marks=pytest.mark.slow), "maxtext"])
 def test_jax_moe_timed_loop_keeps_every_gemm(path):
     """The JAX MoE benchmark's timing loop (two steps per iteration) computes every GEMM of both steps: the
     compiled loop holds each dot of one step twice (XLA dropped the first step's weight-gradient GEMMs when
@@ -405,9 +405,9 @@ def test_jax_moe_timed_loop_keeps_every_gemm(path):
 
     import jax
 
-    from benchmarks import jax_moe_layer
+    from benchmarks import jax_moe_layer, moe_layer
 
-    size = jax_moe_layer.SMOKE_SIZE
+    size = moe_layer.SMOKE_SIZE
     inp = jax_moe_layer.inputs(size)
     step = jax_moe_layer.layer_step(path, size["top_k"], size["experts"])
     consts = ((inp["w_router"], inp["w13"], inp["w2"]), inp["dout"])
