@@ -311,9 +311,9 @@ def fingerprint(a):
     return np.asarray(jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.astype(jnp.float32).sum()]))
 
 
-def compiled_bytes(jitted, *args) -> int:
+def compiled_bytes(compiled) -> int:
     """What one call adds to the memory held before it: the compiled program's temporaries and outputs."""
-    mem = jitted.lower(*args).compile().memory_analysis()
+    mem = compiled.memory_analysis()
     return int(mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes)
 
 
@@ -368,10 +368,10 @@ def measure(path: str, size: dict, inp: dict, whole: bool) -> dict:
     else:
         step = dc_step(path, k, e)
         consts = (inp["w_router"], inp["dout"])
-    jitted = jax.jit(step)
     args = (consts[0], inp["x"], consts[1])
     try:
-        row["peak_mib"] = compiled_bytes(jitted, *args) / 2**20
+        jitted = jax.jit(step).lower(*args).compile()
+        row["peak_mib"] = compiled_bytes(jitted) / 2**20
         free = free_bytes()
         if free is not None and row["peak_mib"] * 2**20 > free:
             row["status"] = (f"skipped: the compiled step needs {row['peak_mib'] / 1024:.1f} GiB, "
