@@ -22,8 +22,9 @@ the call path).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
 per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
-path runs through once (`timing.set_smoke`); nothing is written unless `--out` is given. `--smoke`: the
-same at the smallest sizes (CI runs it: tests/test_benchmarks.py).
+path runs through once (`timing.set_smoke`). It prints what it validated, per op and check, and the verdict
+(`validation: pass`), not tables of CPU times; nothing is written unless `--out` is given (the files keep
+the tables). `--smoke`: the same at the smallest sizes (CI runs it: tests/test_benchmarks.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ PATHS = ("xkern", "torchtitan", "plain", "liger", "transformer_engine")
 # Relative L2 distance to the FP32 reference (`reference_errors`) within which a result passes. bf16 rounds
 # each stored intermediate (x @ W13, the SwiGLU product, the expert outputs, the output) to 2^-9 relative;
 # a tensor of such roundings sits near 2^-9 / sqrt(3) ~ 1e-3 relative L2, a few of them in a row a few
-# times that. 2e-2 is ten times what the smoke size measures and far below a wrong row (relative L2 ~ 1).
+# times that: 1e-3-6e-3 at the smoke size, 5e-3-7e-3 on CPU up to 256 experts of H 1024, every result (the
+# router's gradient through the softmax included). 2e-2 leaves a factor 3; a wrong row reads ~1.
 REF_TOL = 2e-2
 
 
