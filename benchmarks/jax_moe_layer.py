@@ -419,7 +419,8 @@ def torch_rows(path: str | None, out_dir: str | None) -> list[dict]:
     return rows
 
 
-def run_size(label: str, size: dict, log) -> list[dict]:
+def run_size(label: str, size: dict, log, done=None) -> list[dict]:
+    """Both paths' rows at one size; `done(rows so far)` after each (the run saves them: a crash keeps them)."""
     import gc
 
     inp = inputs(size)
@@ -428,6 +429,8 @@ def run_size(label: str, size: dict, log) -> list[dict]:
         for path in PATHS:
             row = measure(path, size, inp, whole)
             rows.append(row)
+            if done is not None:
+                done([{**r, "size": label, **size} for r in rows])
             log(f"{label} jax {path} {row['part']}: {row.get('us', float('nan')):.1f} us, compiled peak "
                 f"{row.get('peak_mib', float('nan')):.0f} MiB, FP32 reference {row.get('ref_check')}, bitwise "
                 f"{row.get('bitwise_run_to_run')} [{row['status']}]")
@@ -502,18 +505,24 @@ def main(argv=None) -> int:
     timing.set_smoke(smoke)
     device = jax.devices()[0].device_kind if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    torch = torch_rows(args.torch_json, out_dir)
+
+    def save(rows, final=False):
+        add_ratios(rows, torch)
+        if out_dir:
+            write_results(out_dir, device, "jax-moe-layer", args, {
+                "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
+                "ref_tol": REF_TOL, "xla_flags": xla_flags, "jax": jax.__version__, "complete": final,
+                "rows": rows}, markdown(rows, device, xla_flags), final)
+
     rows = []
     for label, size in chosen_sizes(args, smoke).items():
-        rows += run_size(label, size, lambda m: print(m, flush=True))
-    out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
-    add_ratios(rows, torch_rows(args.torch_json, out_dir))
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    md = markdown(rows, device, xla_flags)
-    print("\n" + md)
-    if out_dir:
-        write_results(out_dir, device, "jax-moe-layer", args, {
-            "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-            "ref_tol": REF_TOL, "xla_flags": xla_flags, "jax": jax.__version__, "rows": rows}, md)
+        rows += run_size(label, size, lambda m: print(m, flush=True),
+                         lambda partial, before=list(rows): save(before + partial))
+    save(rows, final=True)
+    print("\n" + markdown(rows, device, xla_flags))
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"].startswith("error") or r.get("ref_check", "pass")
                                                          != "pass" or r.get("bitwise_run_to_run") is False)]
     return 1 if bad else 0

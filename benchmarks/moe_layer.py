@@ -392,7 +392,8 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
 # The run
 
 
-def run_size(label: str, size: dict, device: str, log) -> list[dict]:
+def run_size(label: str, size: dict, device: str, log, done=None) -> list[dict]:
+    """Every path's rows at one size; `done(rows so far)` after each (the run saves them: a crash keeps them)."""
     import torch
 
     inp = torch_inputs(size, device)
@@ -405,6 +406,8 @@ def run_size(label: str, size: dict, device: str, log) -> list[dict]:
                 continue
             row = measure_torch(name, inp, size["top_k"], size["experts"], whole, device)
             rows.append(row)
+            if done is not None:
+                done([{**{k: v for k, v in r.items() if not k.startswith("_")}, "size": label, **size} for r in rows])
             log(f"{label} torch {name} {part}: {row.get('us', float('nan')):.1f} us, "
                 f"peak {row.get('peak_mib', float('nan')):.0f} MiB, FP32 reference {row.get('ref_check')}, "
                 f"bitwise {row.get('bitwise_run_to_run')} [{row['status']}]")
@@ -495,8 +498,8 @@ def chosen_sizes(args, smoke: bool) -> dict:
     return sizes
 
 
-def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str) -> str:
-    """`<out_dir>/<gpu kind>-<name>[-<sizes>]` .json (results), .md and .png: its stem."""
+def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str, draw: bool = True) -> str:
+    """`<out_dir>/<gpu kind>-<name>[-<sizes>]` .json (results), .md and (`draw`) .png: its stem."""
     from benchmarks.machine import gpu_kind
 
     os.makedirs(out_dir, exist_ok=True)
@@ -506,6 +509,8 @@ def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: st
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(md + "\n")
+    if not draw:
+        return stem
     try:
         drawn = plot(results["rows"], gpu, stem + ".png")
     except ImportError as err:  # no matplotlib: the tables are still written
@@ -529,16 +534,21 @@ def main(argv=None) -> int:
     device = "cuda" if GPU else "cpu"
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
+
+    def save(rows, final=False):
+        if out_dir:
+            write_results(out_dir, gpu, "moe-layer", args, {
+                "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
+                "ref_tol": REF_TOL, "versions": versions(), "complete": final, "rows": rows}, markdown(rows, gpu),
+                final)
+
     rows = []
     for label, size in chosen_sizes(args, smoke).items():
-        rows += run_size(label, size, device, lambda m: print(m, flush=True))
-    md = markdown(rows, gpu)
-    print("\n" + md)
-    out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
-    if out_dir:
-        write_results(out_dir, gpu, "moe-layer", args, {
-            "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-            "ref_tol": REF_TOL, "versions": versions(), "rows": rows}, md)
+        rows += run_size(label, size, device, lambda m: print(m, flush=True),
+                         lambda partial, before=list(rows): save(before + partial))
+    print("\n" + markdown(rows, gpu))
+    save(rows, final=True)
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False
                                                          or r.get("ref_check", "pass") != "pass")]
     return 1 if bad else 0

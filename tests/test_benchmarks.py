@@ -338,7 +338,9 @@ def test_moe_layer_rows_check_every_path(tmp_path):
         assert moe_layer.main(["--smoke", "--out", str(tmp_path)]) == 0
     finally:
         timing.set_smoke(False)
-    rows = json.loads((tmp_path / "cpu-moe-layer.json").read_text())["rows"]
+    results = json.loads((tmp_path / "cpu-moe-layer.json").read_text())
+    rows = results["rows"]
+    assert results["complete"]  # saved after each row too, marked incomplete until the end
     ran = {(r["impl"], r["part"]) for r in rows if r["status"] == "ok"}
     assert ran == {(p, part) for p in ("xkern", "torchtitan", "plain") for part in ("layer", "dispatch+combine")}
     assert all(r["ref_check"] == "pass" and set(r["ref_rel_l2"]) == set(moe_layer.RESULT_NAMES[r["part"] == "layer"])
@@ -387,7 +389,9 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
         assert jax_moe_layer.main(["--smoke", "--out", str(tmp_path)]) == 0
     finally:
         timing.set_smoke(False)
-    rows = json.loads((tmp_path / "cpu-jax-moe-layer.json").read_text())["rows"]
+    results = json.loads((tmp_path / "cpu-jax-moe-layer.json").read_text())
+    rows = results["rows"]
+    assert results["complete"]
     assert {(r["impl"], r["part"]) for r in rows} == {(p, part) for p in jax_moe_layer.PATHS
                                                      for part in ("layer", "dispatch+combine")}
     for r in rows:
