@@ -355,6 +355,22 @@ def ref_check(errors: dict, tol: float = REF_TOL) -> str:
     return f"fail: {', '.join(bad)} > {tol:g}" if bad else "pass"
 
 
+def profile_time(row: dict, calls, sync: str) -> None:
+    """Where benchmarks.timing has the profiler's method (`profile_device_us`: the device's kernels of each
+    call, the same for torch and JAX), the row's `profile_us` by it too (GPU runs only; a failure is the
+    row's `profile_status`, the rest of the row stands)."""
+    from benchmarks import timing
+
+    profile = getattr(timing, "profile_device_us", None)
+    if profile is None or timing.smoke():
+        return
+    try:
+        row["profile_us"], row["profile_timing"], kernels = profile(calls, getattr(timing, sync))
+        row["profile_kernels"] = kernels[:8]
+    except Exception as err:  # noqa: BLE001 - the CUDA-graph time above still stands
+        row["profile_status"] = timing.error_status(err)
+
+
 def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: bool, device: str) -> dict:
     import torch
 
@@ -381,6 +397,7 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         row["us"], row["timing"] = timing.torch_device_us(
             lambda: [lambda: torch_step(path, inp, top_k, num_experts, whole)])
+        profile_time(row, [lambda: torch_step(path, inp, top_k, num_experts, whole)], "torch_sync")
         row["status"] = "ok"
         row["_out"] = out
     except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
@@ -444,10 +461,10 @@ def markdown(rows: list[dict], gpu: str) -> str:
 
 
 def cells(r: dict, rows: list[dict], is_peer) -> tuple[str, str, str, str]:
-    """A row's table cells: µs, xkern's time over the best peer's (`is_peer(row)`) of its size and part, peak
-    MiB, and the FP32 reference check with its worst relative L2."""
+    """A row's table cells: µs (the profiler's in brackets where measured), xkern's time over the best peer's
+    (`is_peer(row)`) of its size and part, peak MiB, and the FP32 reference check with its worst relative L2."""
     peers = [p["us"] for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and "us" in p and is_peer(p)]
-    us = f"{r['us']:.1f}" if "us" in r else ""
+    us = f"{r['us']:.1f}" + (f" ({r['profile_us']:.1f})" if "profile_us" in r else "") if "us" in r else ""
     ratio = f"{r['us'] / min(peers):.2f}x" if us and peers and r["impl"] == "xkern" else ""
     peak = "" if "peak_mib" not in r else f"{r['peak_mib']:.1f}" if r["peak_mib"] < 100 else f"{r['peak_mib']:.0f}"
     ref = f"{r['ref_check'].split(':')[0]} ({max(r['ref_rel_l2'].values()):.1e})" if "ref_rel_l2" in r else ""
