@@ -20,10 +20,10 @@ cotangent; the step is `jax.vjp` of the layer against the fixed cotangent: dx an
 
 Reported per size and path:
 - `us`: device time per step (`timing.jax_device_us`: the step inside one jitted `fori_loop`, host wall /
-  steps; the loop feeds x + 0 * (out + dx) into the next step, so nothing is hoisted and the routing stays the
-  same, and carries the weight gradients, so they are computed), for the whole step and for dispatch +
-  combine alone (router without gradient, index build, permute, identity experts, combine; forward +
-  backward into x and the probs), as the torch benchmark's rows.
+  steps; `timed_step`: nothing hoisted, the routing the same every step, every GEMM kept), for the whole
+  step and for dispatch + combine alone (router without gradient, index build, permute, identity experts,
+  combine; forward + backward into x and the probs), as the torch benchmark's rows; `profile_us` too where
+  `benchmarks.timing` has the profiler's method (`moe_layer.profile_time`).
 - `peak_mib`: the compiled step's `memory_analysis()` (temporaries + outputs, beyond the arguments: the torch
   rows' measure, the memory a step adds to what is allocated before it); a step whose compiled need passes
   the device's free memory is not run (its status says so).
@@ -38,7 +38,7 @@ XLA: `--xla-flags` (default `--xla_gpu_autotune_level=0`) is added to XLA_FLAGS 
 autotuner once asked for 65 GiB beside torch in one process. jax 0.10's GPU `ragged_dot` may lower to a dense
 GEMM masked per group (memory and flops times the expert count) unless cuDNN takes it
 (`--xla_gpu_experimental_use_ragged_dot_fusion=true`); both paths share that lowering, and the rows record
-the flags. Results: `<out>/<gpu>-jax-moe-layer[-<sizes>].json` and `.md`.
+the flags. Results: `<out>/<gpu>-jax-moe-layer[-<sizes>].json`, `.md` and `.png`, written after every row.
 """
 
 from __future__ import annotations
