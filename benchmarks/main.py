@@ -22,48 +22,26 @@ the call path).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
 per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
-path runs through once (`timing.set_smoke`); nothing is written unless `--out` is given. `--smoke`: the
-same at the smallest sizes (CI runs it: tests/test_benchmarks.py).
+path runs through once (`timing.set_smoke`). It prints what it validated, per op and check, and the verdict
+(`validation: pass`), not tables of CPU times; nothing is written unless `--out` is given (the files keep
+the tables). `--smoke`: the same at the smallest sizes (CI runs it: tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import glob
-import hashlib
 import json
 import os
 import platform
-import re
-import shutil
 import subprocess
 import sys
 import time
 import traceback
 
+# First: on a CPU machine it selects the interpreter and JAX's CPU platform before torch, triton or jax loads.
+from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha  # noqa: F401 - re-exported
 
-def _has_gpu() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-
-
-# Before torch, triton or jax is imported: the interpreter on a CPU machine; JAX must not grab 75 % of the
-# GPU's memory next to torch.
-GPU = _has_gpu()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# With torch's default fixed-size segments, the memory of one case stayed reserved after it (empty_cache
-# returned none of it) and grew case by case: 7, 23, 28, 54, 57 GiB after the first five gather cases, then
-# out of memory next to JAX on the 80 GB H100 (2026-12-05; ~115 GiB on the H200 the day before). With
-# expandable segments every case of the main job ended at 0.0 GiB reserved (H100, 21 cases).
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
 # Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
@@ -94,30 +72,6 @@ def versions() -> dict:
     except Exception:  # noqa: BLE001 - informational only
         pass
     return out
-
-
-def kernels_sha() -> str:
-    """The first 12 hex digits of a sha256 over xkern/*.py: names the kernels and plans measured even where git
-    names another commit (the device tool's copy reports the session's base commit plus changes)."""
-    digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(ROOT, "xkern", "*.py"))):
-        with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
-    return digest.hexdigest()[:12]
-
-
-def commit() -> str | None:
-    """This tree's commit (with "+changes" when it has uncommitted ones), where git is there; XKERN_COMMIT
-    overrides it (a device machine's copy of the tree may carry an older .git)."""
-    if os.environ.get("XKERN_COMMIT"):
-        return os.environ["XKERN_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head.stdout.strip() + ("+changes" if dirty else "") if head.returncode == 0 else None
-    except OSError:
-        return None
 
 
 def configure_dynamo() -> None:
@@ -194,13 +148,6 @@ def plan(args) -> tuple[str, list]:
     return mode, work
 
 
-def gpu_kind(name: str) -> str:
-    """The results folder and file prefix of a GPU: its name without the memory size ("NVIDIA H100 80GB HBM3"
-    -> "nvidia-h100", "NVIDIA H200" -> "nvidia-h200", "NVIDIA H100 PCIe" -> "nvidia-h100-pcie")."""
-    words = [w for w in name.lower().split() if not re.fullmatch(r"\d+gb|hbm\w*", w)]
-    return "-".join(words)
-
-
 def output_stem(gpu: str, args) -> str:
     stem = gpu_kind(gpu)
     if args.sweep:
@@ -264,23 +211,28 @@ def run(args) -> int:
     log(f"# {gpu}, {results['started_utc']}, commit {results['commit']}, xkern_sha {results['xkern_sha']}")
     results["ceiling"] = timing.copy_ceiling()
     ceiling = results["ceiling"]["gbps"]
-    log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s{' (smoke: not a measurement)' if timing.smoke() else ''}")
+    if not timing.smoke():
+        log(f"{gpu}: copy ceiling {ceiling:.0f} GB/s")
     host_first = mode.startswith("host") or not (mode.startswith("sweep") or args.no_host) and args.only in (
         None, "rms_norm")
     est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
-    log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}, about "
-        f"{est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)")
+    log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}"
+        + (f", about {est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)" if GPU else
+           ": checked against the FP64 oracle, every timed path run through once (no timings without a GPU)"))
+    # The tables' progress lines are their timings: not printed where nothing is measured (their rows are
+    # judged by `failures` and counted in the validation summary).
+    table_log = (lambda line: None) if timing.smoke() else log
     if mode.startswith("sweep"):
         if mode == "sweep-smoke":
-            results["host"] = host.host_table(device, log)
+            results["host"] = host.host_table(device, table_log)
     elif host_first:
-        results["host"] = host.host_table(device, log)
+        results["host"] = host.host_table(device, table_log)
         save()
-        results["block"] = host.block_table(device, log)
+        results["block"] = host.block_table(device, table_log)
         save()
         release()
         if not mode.startswith("host"):
-            results["sharded"] = sharded.sharded_table(device, log)
+            results["sharded"] = sharded.sharded_table(device, table_log)
             release()
     if args.only == "add_rms_norm":  # its own run: with the main cases it passes one device call's 10 minutes
         from benchmarks.add_rms_norm import add_rms_norm_table
@@ -322,10 +274,42 @@ def run(args) -> int:
         if json_path:
             with open(os.path.splitext(json_path)[0] + ".md", "a") as f:
                 f.write(table)
-    log("\n" + md)
+    # Tables only of measured timings; a smoke or CPU run prints what it checked (its files, with --out, keep
+    # the tables: they show every path ran).
+    log("\n" + (validation_summary(results) if timing.smoke() else md))
     if json_path:
         log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
     return failures(results, strict=timing.smoke())
+
+
+def validation_summary(results: dict) -> str:
+    """What a run without measured timings validated, per op and check (the lines `failures` then judges)."""
+    lines = [f"## Validation on {results['gpu']} (timings not measured: {results['mode']} run)", ""]
+    by_op: dict = {}
+    for r in results["rows"]:
+        by_op.setdefault(r["op"], []).append(r)
+    for op, rows in by_op.items():
+        xkern = [r for r in rows if r["impl"].startswith("xkern") and "check" in r]
+        passed = sum(r["check"] == "pass" for r in xkern)
+        shapes = len({(str(r["shape"]), r["dtype"]) for r in xkern})
+        jax = [r for r in rows if r["impl"] == "xkern (jax)" and "bitwise_equal_torch" in r]
+        ran = [r for r in rows if r.get("us")]
+        errors = sum(r["status"].startswith("error") for r in rows)
+        lines.append(f"- {op}: xkern against the FP64 oracle {passed}/{len(xkern)} pass ({shapes} shapes), "
+                     f"JAX bitwise torch {sum(bool(r['bitwise_equal_torch']) for r in jax)}/{len(jax)}, timed paths "
+                     f"run through {len(ran)} (of {len(rows)} rows), errors {errors}")
+    for name in ("host", "block", "sharded", "add_rms_norm"):
+        rows = results[name]
+        if rows:
+            errors = sum(r.get("status", "").startswith("error") for r in rows)
+            extra = ""
+            if name == "sharded":
+                same = [r for r in rows if "bitwise_equal_plain" in r and "width" not in r["form"]]
+                extra = f", bitwise the plain call {sum(r['bitwise_equal_plain'] for r in same)}/{len(same)}"
+            lines.append(f"- {name} table: {len(rows)} rows run through{extra}, errors {errors}")
+    if results["skipped"]:
+        lines.append(f"- cases that did not run: {len(results['skipped'])}")
+    return "\n".join(lines)
 
 
 def failures(results: dict, strict: bool) -> int:

@@ -1,12 +1,13 @@
-"""A MoE layer step, forward + backward, with xkern's dispatch and weighted combine beside the peers' paths.
+"""A MoE layer step in torch, forward + backward, with xkern's dispatch and weighted combine beside the peers' paths.
 
     python -m benchmarks.moe_layer [--sizes deepseek-v3,qwen3-moe] [--tokens N] [--out DIR] [--smoke]
 
 The step: router (x @ W_r, softmax in FP32, top-k, renormalised) -> dispatch -> grouped expert GEMMs
-(SwiGLU: `torch._grouped_mm`; JAX `jax.lax.ragged_dot`) -> weighted combine, then the backward of a fixed
-cotangent into x and every weight. The layout is the padded expert-major one of `generate_permute_indices`
-(blocks of 16 rows, the grouped GEMM's alignment), computed on the device: no host sync in any path, so each
-step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py).
+(SwiGLU: `torch._grouped_mm`) -> weighted combine, then the backward of a fixed cotangent into x and every
+weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of 16 rows, the
+grouped GEMM's alignment), computed on the device: no host sync in the xkern, torchtitan and plain paths, so
+each step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py). The JAX step is
+`benchmarks/jax_moe_layer.py` (a process of its own).
 
 Dispatch + combine paths (the rest of the step is the same code):
 - xkern: `permute_rows(x, idx, top_k=k)` straight from the token rows, `unpermute_rows(y, idx, T * k, top_k=k,
@@ -16,15 +17,22 @@ Dispatch + combine paths (the rest of the step is the same code):
   padded gather (`vstack` a zero row, index), the experts, the padded scatter back (`index_put`), the unsort
   scatter into zeros (deterministic: each index once), then `bmm` of the FP32 scores with the FP32 rows.
 - plain: `repeat_interleave` + `index_select`, multiply by the weights in the rows' dtype, `index_add_`.
+- liger: Liger-Kernel's `LigerFusedMoEFunction` (liger_kernel/ops/fused_moe.py): its own routing metadata
+  (one host read of the tile count per step, so its step cannot be one CUDA graph: timed eagerly, the row
+  says so), the gather fused into the up-projection's loads, its own grouped GEMMs, a weighted-sum kernel;
+  its backward recomputes through the down projection and adds dprobs with atomics. The experts are
+  inside it, so it has no dispatch + combine row. On CPU its kernels do not run under Triton's interpreter
+  (`liger_status`): the row says skipped.
 - TransformerEngine's `moe_permute_with_probs` / `moe_unpermute(merging_probs=)` where importable (it is not
-  installed on the lent GPU machines: the row says so).
+  installed on the GPU machines measured so far: the row says so).
 
 Reported per size and path: the whole step's device time, dispatch + combine alone (forward + backward with
-identity experts), peak memory of one eager step above what was allocated before it, the output's relative
-difference to torchtitan's, and whether two runs give the same bits (outputs and every gradient). JAX: the
-xkern path's step and its dispatch + combine (jitted; host wall time of back-to-back calls, so device time
-where the step is device-bound). Results: `<out>/<gpu>-moe-layer[-<sizes>].json`, `.md` and `.png` (bars
-per path; `-<sizes>` when --sizes picks a subset, so two calls with one size each keep both).
+identity experts), peak memory of one eager step above what was allocated before it, the output's and every
+gradient's relative L2 distance to an FP32 reference (`reference_errors`: the same bf16 inputs and expert
+choices, every operation in FP32; pass when within `REF_TOL`), the output's difference to torchtitan's, and
+whether two runs give the same bits (outputs and every gradient). Results: `<out>/<gpu>-moe-layer[-<sizes>]
+.json`, `.md` and `.png` (bars per path; `-<sizes>` when --sizes picks a subset, so two calls with one size
+each keep both).
 """
 
 from __future__ import annotations
@@ -33,11 +41,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU in one process
 
 SIZES = {  # hidden, experts, top_k, expert width (intermediate), tokens (scaled to fit one GPU with grads)
     "deepseek-v3": dict(hidden=7168, experts=256, top_k=8, inter=2048, tokens=8192),
@@ -45,7 +49,13 @@ SIZES = {  # hidden, experts, top_k, expert width (intermediate), tokens (scaled
 }
 SMOKE_SIZE = dict(hidden=32, experts=4, top_k=2, inter=16, tokens=12)
 ALIGN = 16  # rows per expert block: torch._grouped_mm's bf16 alignment (torchtitan pads the same way)
-PATHS = ("xkern", "torchtitan", "plain", "transformer_engine")
+PATHS = ("xkern", "torchtitan", "plain", "liger", "transformer_engine")
+# Relative L2 distance to the FP32 reference (`reference_errors`) within which a result passes. bf16 rounds
+# each stored intermediate (x @ W13, the SwiGLU product, the expert outputs, the output) to 2^-9 relative;
+# a tensor of such roundings sits near 2^-9 / sqrt(3) ~ 1e-3 relative L2, a few of them in a row a few
+# times that: 1e-3-6e-3 at the smoke size, 5e-3-7e-3 on CPU up to 256 experts of H 1024, every result (the
+# router's gradient through the softmax included). 2e-2 leaves a factor 3; a wrong row reads ~1.
+REF_TOL = 2e-2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,6 +82,17 @@ def experts(xp, w13, w2, offs):
 
     gate, up = grouped_mm(xp, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
     return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+
+
+class Experts:
+    """`experts` bound to its weights and the layout's offsets: the paths call it on their dispatched rows; a
+    path that runs its own experts (Liger's) takes the weights from it."""
+
+    def __init__(self, w13, w2, offs):
+        self.w13, self.w2, self.offs = w13, w2, offs
+
+    def __call__(self, xp):
+        return experts(xp, self.w13, self.w2, self.offs)
 
 
 def route(x, w_router, top_k: int):
@@ -118,7 +139,7 @@ def xkern_path(x, probs, routing, run_experts):
 def torchtitan_path(x, probs, routing, run_experts):
     import torch
 
-    _, sorted_slot, order, _ = routing
+    sorted_slot, order = routing[1], routing[2]
     (t, h), k = x.shape, probs.shape[1]
     routed = x[order // k]                                       # index gather, [T * k, H]
     pad = torch.where(sorted_slot >= 0, sorted_slot, t * k).long()
@@ -146,6 +167,18 @@ def plain_path(x, probs, routing, run_experts):
     return torch.zeros(t + 1, h, dtype=y.dtype, device=y.device).index_add_(0, token, y * w[:, None])[:t]
 
 
+def liger_path(x, probs, routing, run_experts):
+    """Liger-Kernel's fused MoE: dispatch, experts and weighted combine in its own kernels (same weights, expert
+    ids and probs)."""
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    if not isinstance(run_experts, Experts):
+        raise TypeError("the Liger path fuses the experts: it has no dispatch + combine alone")
+    import torch
+
+    return LigerFusedMoEFunction.apply(x, run_experts.w13, run_experts.w2, routing[-1].to(torch.int32), probs)
+
+
 def transformer_engine_path(x, probs, routing, run_experts):
     """TE's fused permute with probs and weighted unpermute (used only where importable)."""
     from transformer_engine.pytorch import moe_permute_with_probs, moe_unpermute
@@ -154,16 +187,42 @@ def transformer_engine_path(x, probs, routing, run_experts):
                               f"({moe_permute_with_probs.__name__}, {moe_unpermute.__name__}) into this path")
 
 
-def transformer_engine_status() -> str | None:
-    """None where TE imports, else why not (the benchmark's row says so)."""
+def _import_status(module: str) -> str | None:
+    """None where `module` imports, else why not (the benchmark's row says so)."""
+    import importlib
+
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        importlib.import_module(module)
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken install raising anything
         return f"not importable: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
     return None
 
 
-TORCH_PATHS = {"xkern": xkern_path, "torchtitan": torchtitan_path, "plain": plain_path,
+def transformer_engine_status() -> str | None:
+    return _import_status("transformer_engine.pytorch")
+
+
+def liger_status(device: str) -> str | None:
+    # Under Triton 3.6's interpreter (liger-kernel 0.8.5, smoke size) its routing metadata is right but its
+    # forward's output is off by ~1e10 and its backward raises (a bf16 tl.atomic_add: "Unsupported data type").
+    if device != "cuda":
+        return "its kernels do not run under Triton's interpreter (wrong forward, bf16 atomic_add); GPU only"
+    return _import_status("liger_kernel.ops.fused_moe")
+
+
+def skip_reason(name: str, device: str, whole: bool) -> str | None:
+    """Why a path has no row here (None: it runs)."""
+    if name == "transformer_engine" and (why := transformer_engine_status()) is not None:
+        return f"skipped: TransformerEngine {why}"
+    if name == "liger":
+        if not whole:
+            return "n/a: the gather and the weighted sum are fused into Liger's expert kernels"
+        if (why := liger_status(device)) is not None:
+            return f"skipped: Liger: {why}"
+    return None
+
+
+TORCH_PATHS = {"xkern": xkern_path, "torchtitan": torchtitan_path, "plain": plain_path, "liger": liger_path,
                "transformer_engine": transformer_engine_path}
 
 
@@ -193,12 +252,12 @@ def torch_step(path, inp: dict, top_k: int, num_experts: int, whole: bool):
     if whole:
         params = [inp[n].detach().requires_grad_() for n in ("w_router", "w13", "w2")]
         probs, ids = route(x, params[0], top_k)
-        routing = layout(ids, num_experts)
-        out = path(x, probs, routing, lambda xp: experts(xp, params[1], params[2], routing[3]))
+        routing = (*layout(ids, num_experts), ids)
+        out = path(x, probs, routing, Experts(params[1], params[2], routing[3]))
         return (out, *torch.autograd.grad(out, [x, *params], inp["dout"]))
     with torch.no_grad():
         probs, ids = route(inp["x"], inp["w_router"], top_k)
-        routing = layout(ids, num_experts)
+        routing = (*layout(ids, num_experts), ids)
     probs = probs.requires_grad_()
     out = path(x, probs, routing, lambda xp: xp)
     return (out, *torch.autograd.grad(out, [x, probs], inp["dout"]))
@@ -226,6 +285,91 @@ def same_bits(a, b) -> bool:
                                                                      b.contiguous().view(torch.uint8))
 
 
+def reference_errors(inp: dict, top_k: int, got, whole: bool) -> dict:
+    """Relative L2 distance, ||got - ref|| / ||ref||, of each result of `torch_step` (named as `RESULT_NAMES`) to
+    the FP32 reference: the same bf16 inputs (exact in FP32), the same expert choices (the bf16 router's top-k:
+    FP32 logits could pick another expert at a near tie), every operation in FP32. The experts run one at a
+    time and each weight gradient is compared as it is made (the DeepSeek-V3 size's weights alone would take
+    45 GB in FP32)."""
+    import torch
+    import torch.nn.functional as F
+
+    sums: dict = {}
+
+    def add(name, value, ref):
+        diff = value.detach().double() - ref.detach().double()
+        sums.setdefault(name, []).append(torch.stack([(diff * diff).sum(), (ref.double() ** 2).sum()]))
+
+    x32 = inp["x"].float().requires_grad_()
+    dout = inp["dout"].float()
+    with torch.no_grad():
+        probs_bf16, ids = route(inp["x"], inp["w_router"], top_k)
+    names = RESULT_NAMES[whole]
+    if not whole:  # identity experts: out[t] = sum_j p[t, j] x[t]
+        p32 = probs_bf16.float().requires_grad_()
+        out = p32.sum(-1, keepdim=True) * x32
+        refs = (out, *torch.autograd.grad(out, [x32, p32], dout))
+        for name, value, ref in zip(names, got, refs, strict=True):
+            add(name, value, ref)
+    else:
+        w_router = inp["w_router"].float().requires_grad_()
+        top = torch.softmax(x32 @ w_router, dim=-1).gather(1, ids)
+        probs = top / top.sum(-1, keepdim=True)
+        t, h = x32.shape
+        out, dx, dprobs = x32.new_zeros(t, h), x32.new_zeros(t, h), probs.new_zeros(t * top_k)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=inp["w13"].shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            copies, start = order[start:start + n], start + n
+            token = copies // top_k
+            xe = x32.detach()[token].requires_grad_()
+            w13, w2 = (inp[w][e].float().requires_grad_() for w in ("w13", "w2"))
+            pe = probs.detach().reshape(-1)[copies].requires_grad_()
+            gate, up = (xe @ w13.T).chunk(2, dim=-1)
+            part = pe[:, None] * ((F.silu(gate) * up) @ w2.T)
+            out.index_add_(0, token, part.detach())
+            gx, g13, g2, gp = torch.autograd.grad(part, [xe, w13, w2, pe], dout[token])
+            dx.index_add_(0, token, gx)
+            dprobs.index_add_(0, copies, gp)
+            add("dw13", got[3][e], g13)
+            add("dw2", got[4][e], g2)
+        gx, gw = torch.autograd.grad(probs, [x32, w_router], dprobs.reshape(t, top_k))
+        add("out", got[0], out)
+        add("dx", got[1], dx + gx)
+        add("dw_router", got[2], gw)
+    errors = {}
+    for name in names:
+        diff2, ref2 = torch.stack(sums[name]).sum(0).tolist()
+        errors[name] = (diff2 / ref2) ** 0.5 if ref2 > 0 else float(diff2 > 0)
+    return errors
+
+
+RESULT_NAMES = {True: ("out", "dx", "dw_router", "dw13", "dw2"), False: ("out", "dx", "dprobs")}
+
+
+def ref_check(errors: dict, tol: float = REF_TOL) -> str:
+    """"pass", or "fail: " naming the results past `tol` (relative L2 to the FP32 reference)."""
+    bad = [f"{name} {err:.2e}" for name, err in errors.items() if not err <= tol]
+    return f"fail: {', '.join(bad)} > {tol:g}" if bad else "pass"
+
+
+def profile_time(row: dict, calls, sync: str) -> None:
+    """The row's `profile_us` by the profiler's method too (`timing.profile_device_us`: the device's kernels
+    of each call, the same for torch and JAX; GPU runs only; a failure is the row's `profile_status`, the
+    rest of the row stands). `sync`: "torch_sync" or "jax_sync"."""
+    from benchmarks import timing
+
+    if timing.smoke():
+        return
+    try:
+        row["profile_us"], row["profile_timing"], kernels = timing.profile_device_us(calls, getattr(timing, sync))
+        row["profile_kernels"] = kernels[:8]
+    except Exception as err:  # noqa: BLE001 - the CUDA-graph time above still stands
+        row["profile_status"] = timing.error_status(err)
+
+
 def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: bool, device: str) -> dict:
     import torch
 
@@ -236,11 +380,13 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
     try:
         step = torch_step(path, inp, top_k, num_experts, whole)
         out = step[0].detach()
+        row["ref_rel_l2"] = reference_errors(inp, top_k, step, whole)
+        row["ref_check"] = ref_check(row["ref_rel_l2"])
         first = [fingerprint(t) for t in step]
         del step
         second = [fingerprint(t) for t in torch_step(path, inp, top_k, num_experts, whole)]
         row["bitwise_run_to_run"] = all(same_bits(a, b) for a, b in zip(first, second, strict=True))
-        del second
+        del first, second
         if device == "cuda":
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -250,6 +396,7 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         row["us"], row["timing"] = timing.torch_device_us(
             lambda: [lambda: torch_step(path, inp, top_k, num_experts, whole)])
+        profile_time(row, [lambda: torch_step(path, inp, top_k, num_experts, whole)], "torch_sync")
         row["status"] = "ok"
         row["_out"] = out
     except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
@@ -258,140 +405,30 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
 
 
 # ---------------------------------------------------------------------------------------------------
-# JAX: the xkern path
-
-
-def jax_functions(size: dict):
-    import jax
-    import jax.numpy as jnp
-
-    import jax_api
-
-    e, k, t = size["experts"], size["top_k"], size["tokens"]
-    max_len = t * k + e * ALIGN
-
-    def routing(x, w_router):
-        scores = jax.nn.softmax((x @ w_router).astype(jnp.float32), axis=-1)
-        top, ids = jax.lax.top_k(scores, k)
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        counts = jnp.zeros(e, jnp.int32).at[flat].add(1)
-        sorted_slot, m_sizes, _ = jax_api.generate_permute_indices(counts, e, 1, max_len, ALIGN)
-        slot_copy = jnp.where(sorted_slot >= 0, order[jnp.maximum(sorted_slot, 0)], -1).astype(jnp.int32)
-        return top / top.sum(-1, keepdims=True), slot_copy, m_sizes
-
-    def layer_loss(params, x, dout):
-        w_router, w13, w2 = params
-        probs, slot_copy, m_sizes = routing(x, w_router)
-        xp = jax_api.permute_rows(x, slot_copy, top_k=k)
-        gate, up = jnp.split(jax.lax.ragged_dot(xp, jnp.swapaxes(w13, -2, -1), m_sizes), 2, axis=-1)
-        y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, jnp.swapaxes(w2, -2, -1), m_sizes)
-        out = jax_api.unpermute_rows(y, slot_copy, t * k, top_k=k, probs=probs)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-
-    def dc_loss(x, probs, slot_copy, dout):
-        xp = jax_api.permute_rows(x, slot_copy, top_k=k)
-        out = jax_api.unpermute_rows(xp, slot_copy, t * k, top_k=k, probs=probs)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
-
-    layer = jax.jit(jax.grad(layer_loss, argnums=(0, 1), has_aux=True))
-    dc = jax.jit(jax.grad(dc_loss, argnums=(0, 1), has_aux=True))
-    return layer, dc, jax.jit(routing)
-
-
-def jax_fingerprint(a):
-    """As `fingerprint`, for a jax array: on the host whole, or (large) two sums of its bits computed on the
-    device (int32, wrapping: still the same for the same bits)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    if a.size * a.dtype.itemsize <= EXACT_BYTES:
-        return np.asarray(a)
-    bits = jax.lax.bitcast_convert_type(a, {2: jnp.int16, 4: jnp.int32}[a.dtype.itemsize]).astype(jnp.int32)
-    return np.asarray(jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.astype(jnp.float32).sum()]))
-
-
-def measure_jax(size: dict, inp: dict, smoke: bool) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from benchmarks import timing
-
-    def to_jax(tensor):  # the same bits, shared with torch where dlpack allows (no second copy of the weights)
-        try:
-            return jax.dlpack.from_dlpack(tensor.contiguous())
-        except Exception:  # noqa: BLE001 - a dlpack this jax cannot take: through the host
-            return jnp.asarray(np.asarray(tensor.float().cpu())).astype(jnp.bfloat16)
-
-    rows = []
-    try:
-        layer, dc, routing = jax_functions(size)
-        x, dout = to_jax(inp["x"]), to_jax(inp["dout"])
-        params = tuple(to_jax(inp[n]) for n in ("w_router", "w13", "w2"))
-        probs, slot_copy, _ = routing(x, params[0])
-        calls = {"layer": lambda: layer(params, x, dout), "dispatch+combine": lambda: dc(x, probs, slot_copy, dout)}
-    except Exception as err:  # noqa: BLE001
-        return [{"framework": "jax", "impl": "xkern", "part": "layer", "status": timing.error_status(err)}]
-    for part, call in calls.items():
-        row = {"framework": "jax", "impl": "xkern", "part": part}
-        try:
-            first = call()
-            out = first[1]
-            first = [jax_fingerprint(a) for a in jax.tree.leaves(first)]
-            second = [jax_fingerprint(a) for a in jax.tree.leaves(call())]
-            row["bitwise_run_to_run"] = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
-                                            for a, b in zip(first, second, strict=True))
-            del first, second
-            # The layer's outputs hold the experts' weight gradients (22.5 GB at the DeepSeek size): one call in
-            # flight at a time there (its host dispatch is ~0.1 % of the step); dispatch+combine back to back.
-            n, each = (2 if smoke else 20), part == "layer"
-            walls = []
-            for _ in range(1 if smoke else 5):
-                start = time.perf_counter()
-                for _ in range(n):
-                    result = call()
-                    if each:
-                        jax.block_until_ready(result)
-                jax.block_until_ready(result)
-                walls.append((time.perf_counter() - start) / n * 1e6)
-            row["us"] = statistics.median(walls)
-            row["timing"] = timing.SMOKE_NOTE if smoke else (
-                f"jitted; host wall of {n} calls, {'each waited for' if each else 'back to back'}, median of 5")
-            stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
-            if stats and "peak_bytes_in_use" in stats:
-                row["peak_mib_process"] = stats["peak_bytes_in_use"] / 2**20
-            row["status"] = "ok"
-            row["_out"] = out
-        except Exception as err:  # noqa: BLE001
-            row["status"] = timing.error_status(err)
-        rows.append(row)
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------
 # The run
 
 
-def run_size(label: str, size: dict, device: str, smoke: bool, log) -> list[dict]:
-    import numpy as np
+def run_size(label: str, size: dict, device: str, log, done=None) -> list[dict]:
+    """Every path's rows at one size; `done(rows so far)` after each (the run saves them: a crash keeps them)."""
     import torch
 
     inp = torch_inputs(size, device)
-    te = transformer_engine_status()
     rows = []
     for whole in (False, True):
         for name in PATHS:
-            if name == "transformer_engine" and te is not None:
-                rows.append({"framework": "torch", "impl": name, "part": "layer" if whole else "dispatch+combine",
-                             "status": f"skipped: TransformerEngine {te}"})
+            part = "layer" if whole else "dispatch+combine"
+            if (why := skip_reason(name, device, whole)) is not None:
+                rows.append({"framework": "torch", "impl": name, "part": part, "status": why})
                 continue
             row = measure_torch(name, inp, size["top_k"], size["experts"], whole, device)
             rows.append(row)
-            log(f"{label} torch {name} {row['part']}: {row.get('us', float('nan')):.1f} us, "
-                f"peak {row.get('peak_mib', float('nan')):.0f} MiB, bitwise {row.get('bitwise_run_to_run')} "
-                f"[{row['status']}]")
+            if done is not None:
+                done([{**{k: v for k, v in r.items() if not k.startswith("_")}, "size": label, **size} for r in rows])
+            log(f"{label} torch {name} {part}: {row.get('us', float('nan')):.1f} us, "
+                f"peak {row.get('peak_mib', float('nan')):.0f} MiB, FP32 reference {row.get('ref_check')}, "
+                f"bitwise {row.get('bitwise_run_to_run')} [{row['status']}]")
+            if device == "cuda":
+                torch.cuda.empty_cache()
     # the output's distance to torchtitan's (both are FP32 weighted sums, rounded once to bf16)
     for part in ("layer", "dispatch+combine"):
         ref = next((r.get("_out") for r in rows if r["impl"] == "torchtitan" and r["part"] == part), None)
@@ -400,21 +437,9 @@ def run_size(label: str, size: dict, device: str, smoke: bool, log) -> list[dict
                 diff = (r["_out"].float() - ref.float()).abs().max().item()
                 r["max_abs_diff_vs_torchtitan"] = diff
                 r["max_rel_diff_vs_torchtitan"] = diff / max(ref.float().abs().max().item(), 1e-30)
-    xkern_out = {r["part"]: r.pop("_out") for r in rows if r.get("_out") is not None and r["impl"] == "xkern"}
     for r in rows:
         r.pop("_out", None)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    for row in measure_jax(size, inp, smoke):
-        out = row.pop("_out", None)
-        if out is not None and row["part"] in xkern_out:  # torch and JAX run the same kernels and routing
-            want = xkern_out[row["part"]].float().cpu().numpy()
-            row["max_abs_diff_vs_torch_xkern"] = float(np.abs(np.asarray(out, np.float32) - want).max())
-        rows.append(row)
-        log(f"{label} jax xkern {row['part']}: {row.get('us', float('nan')):.1f} us, bitwise "
-            f"{row.get('bitwise_run_to_run')} [{row['status']}]")
-    for r in rows:
-        r.update(size=label, **{k: v for k, v in size.items()})
+        r.update(size=label, **size)
     del inp
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -422,20 +447,27 @@ def run_size(label: str, size: dict, device: str, smoke: bool, log) -> list[dict
 
 
 def markdown(rows: list[dict], gpu: str) -> str:
-    lines = [f"## MoE layer step on {gpu} (fwd + bwd, bf16; dispatch+combine = permute + weighted combine alone)",
-             "", "| size | part | framework | path | µs | xkern / best peer | peak MiB | bitwise run-to-run | "
-             "max rel diff vs torchtitan | status |", "|---|---|---|---|---:|---:|---:|---|---:|---|"]
+    lines = [f"## MoE layer step (torch) on {gpu} (fwd + bwd, bf16; dispatch+combine = permute + weighted combine "
+             f"alone; FP32 reference: worst relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
+             "| size | part | path | µs | xkern / best peer | peak MiB | FP32 reference | bitwise run-to-run | "
+             "max rel diff vs torchtitan | status |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
     for r in rows:
-        peers = [p["us"] for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and "us" in p
-                 and p["framework"] == "torch" and p["impl"] != "xkern"]
-        us = f"{r['us']:.1f}" if "us" in r else ""
-        ratio = f"{r['us'] / min(peers):.2f}x" if us and peers and r["impl"] == "xkern" else ""
-        peak = r.get("peak_mib", r.get("peak_mib_process"))
-        peak = "" if peak is None else f"{peak:.0f}" + (" (process)" if "peak_mib" not in r else "")
+        us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] != "xkern")
         rel = f"{r['max_rel_diff_vs_torchtitan']:.2e}" if "max_rel_diff_vs_torchtitan" in r else ""
-        lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['framework']} | {r['impl']} | {us} | "
-                     f"{ratio} | {peak} | {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']} |")
+        lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {peak} | {ref} "
+                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']} |")
     return "\n".join(lines)
+
+
+def cells(r: dict, rows: list[dict], is_peer) -> tuple[str, str, str, str]:
+    """A row's table cells: µs (the profiler's in brackets where measured), xkern's time over the best peer's
+    (`is_peer(row)`) of its size and part, peak MiB, and the FP32 reference check with its worst relative L2."""
+    peers = [p["us"] for p in rows if p["size"] == r["size"] and p["part"] == r["part"] and "us" in p and is_peer(p)]
+    us = f"{r['us']:.1f}" + (f" ({r['profile_us']:.1f})" if "profile_us" in r else "") if "us" in r else ""
+    ratio = f"{r['us'] / min(peers):.2f}x" if us and peers and r["impl"] == "xkern" else ""
+    peak = "" if "peak_mib" not in r else f"{r['peak_mib']:.1f}" if r["peak_mib"] < 100 else f"{r['peak_mib']:.0f}"
+    ref = f"{r['ref_check'].split(':')[0]} ({max(r['ref_rel_l2'].values()):.1e})" if "ref_rel_l2" in r else ""
+    return us, ratio, peak, ref
 
 
 def plot(rows: list[dict], gpu: str, path: str) -> str | None:
@@ -464,16 +496,51 @@ def plot(rows: list[dict], gpu: str, path: str) -> str | None:
     return path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def size_arguments(parser, name: str) -> None:
+    """The arguments both MoE layer benchmarks take; `name` is the results' file name after `<gpu>-`."""
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
     parser.add_argument("--tokens", type=int, help="tokens per step (default: each size's own)")
-    parser.add_argument("--out", help="directory for <gpu>-moe-layer.json/.md (default: benchmarks/results/<gpu "
-                        "kind>/ on a GPU, nothing on CPU)")
+    parser.add_argument("--out", help=f"directory for <gpu>-{name}[-<sizes>].json/.md (default: "
+                        "benchmarks/results/<gpu kind>/ on a GPU, nothing on CPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, every path run through once")
+
+
+def chosen_sizes(args, smoke: bool) -> dict:
+    """{label: size} of the arguments (the smoke size alone when `smoke`), --tokens applied."""
+    sizes = {"smoke": dict(SMOKE_SIZE)} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
+    for size in sizes.values():
+        if args.tokens and not smoke:
+            size["tokens"] = args.tokens
+    return sizes
+
+
+def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str, draw: bool = True) -> str:
+    """`<out_dir>/<gpu kind>-<name>[-<sizes>]` .json (results), .md and (`draw`) .png: its stem."""
+    from benchmarks.machine import gpu_kind
+
+    os.makedirs(out_dir, exist_ok=True)
+    chosen = "" if results["smoke"] or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
+    stem = os.path.join(out_dir, gpu_kind(gpu) + "-" + name + chosen)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    if not draw:
+        return stem
+    try:
+        drawn = plot(results["rows"], gpu, stem + ".png")
+    except ImportError as err:  # no matplotlib: the tables are still written
+        drawn = f"no plot ({err})"
+    print(f"wrote {stem}.json, .md and {drawn}")
+    return stem
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size_arguments(parser, "moe-layer")
     args = parser.parse_args(argv)
 
-    from benchmarks.main import GPU  # noqa: I001 - first: sets TRITON_INTERPRET / JAX_PLATFORMS on CPU
+    from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
     import torch
 
     from benchmarks import timing
@@ -482,35 +549,38 @@ def main(argv=None) -> int:
     timing.set_smoke(smoke)
     device = "cuda" if GPU else "cpu"
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
-    sizes = {"smoke": SMOKE_SIZE} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
-    if args.tokens and not smoke:
-        for size in sizes.values():
-            size["tokens"] = args.tokens
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    rows = []
-    for label, size in sizes.items():
-        rows += run_size(label, size, device, smoke, lambda m: print(m, flush=True))
-    md = markdown(rows, gpu)
-    print("\n" + md)
-    from benchmarks.main import RESULTS, commit, gpu_kind
-
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        chosen = "" if smoke or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
-        stem = os.path.join(out_dir, gpu_kind(gpu) + "-moe-layer" + chosen)
-        with open(stem + ".json", "w") as f:
-            json.dump({"gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                       "rows": rows}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(md + "\n")
-        try:
-            drawn = plot(rows, gpu, stem + ".png")
-        except ImportError as err:  # no matplotlib: the tables are still written
-            drawn = f"no plot ({err})"
-        print(f"wrote {stem}.json, .md and {drawn}")
-    bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False)]
+
+    def save(rows, final=False):
+        if out_dir:
+            write_results(out_dir, gpu, "moe-layer", args, {
+                "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
+                "ref_tol": REF_TOL, "versions": versions(), "complete": final, "rows": rows}, markdown(rows, gpu),
+                final)
+
+    rows = []
+    for label, size in chosen_sizes(args, smoke).items():
+        rows += run_size(label, size, device, lambda m: print(m, flush=True),
+                         lambda partial, before=list(rows): save(before + partial))
+    print("\n" + markdown(rows, gpu))
+    save(rows, final=True)
+    bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False
+                                                         or r.get("ref_check", "pass") != "pass")]
     return 1 if bad else 0
+
+
+def versions() -> dict:
+    """The versions of what the step runs on (None where not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "liger-kernel", "transformer-engine"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 if __name__ == "__main__":

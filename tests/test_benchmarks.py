@@ -24,6 +24,10 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.main", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    # Printed: what was validated and the verdict, no tables of CPU "timings" (the files keep the tables)
+    summary = proc.stdout[proc.stdout.index("## Validation on cpu"):]
+    assert "rms_norm: xkern against the FP64 oracle" in summary and summary.rstrip().endswith("validation: pass")
+    assert "copy ceiling" not in proc.stdout.lower() and "| xkern" not in proc.stdout and "µs" not in proc.stdout
     (path,) = tmp_path.glob("*.json")
     results = json.loads(path.read_text())
     assert len(results["xkern_sha"]) == 12
@@ -400,3 +404,118 @@ def test_jax_torch_profile_runs_a_case():
     assert [r["impl"] for r in rows] == ["xkern (torch)", "xkern (jax)", "jax.jit (XLA)"]
     assert all("status" not in r and r["device_us"] > 0 and r["host_issue_us"] > 0 for r in rows), rows
     assert "rms_norm 9x128 fwd: torch" in JT.text(rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: `python -m benchmarks.moe_layer` itself runs there")
+def test_moe_layer_rows_check_every_path(tmp_path):
+    """`benchmarks.moe_layer` at its smoke size: every torch path that runs here is checked against the FP32
+    reference and passes, xkern's is the same bits run to run, Liger's row says why it is skipped on CPU (and
+    that it has no dispatch + combine alone), and the JSON carries the rows the JAX benchmark reads."""
+    from benchmarks import moe_layer, timing
+
+    timing.set_smoke(True)
+    try:
+        assert moe_layer.main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        timing.set_smoke(False)
+    results = json.loads((tmp_path / "cpu-moe-layer.json").read_text())
+    rows = results["rows"]
+    assert results["complete"]  # saved after each row too, marked incomplete until the end
+    ran = {(r["impl"], r["part"]) for r in rows if r["status"] == "ok"}
+    assert ran == {(p, part) for p in ("xkern", "torchtitan", "plain") for part in ("layer", "dispatch+combine")}
+    assert all(r["ref_check"] == "pass" and set(r["ref_rel_l2"]) == set(moe_layer.RESULT_NAMES[r["part"] == "layer"])
+               for r in rows if r["status"] == "ok"), rows
+    assert all(r["bitwise_run_to_run"] for r in rows if r["impl"] == "xkern")
+    liger = {r["part"]: r["status"] for r in rows if r["impl"] == "liger"}
+    assert liger["layer"].startswith("skipped: Liger") and liger["dispatch+combine"].startswith("n/a")
+    assert "| liger |" in (tmp_path / "cpu-moe-layer.md").read_text()
+
+
+def test_moe_reference_check_fails_a_wrong_result():
+    """The FP32 reference of both MoE benchmarks tells a wrong gradient or output from a right one: one expert's
+    weight gradient zeroed, or one output row swapped, fails the check."""
+    import jax.numpy as jnp
+
+    from benchmarks import jax_moe_layer, moe_layer
+
+    size = moe_layer.SMOKE_SIZE
+    inp = moe_layer.torch_inputs(size, DEVICE)
+    got = list(moe_layer.torch_step(moe_layer.plain_path, inp, size["top_k"], size["experts"], whole=True))
+    assert moe_layer.ref_check(moe_layer.reference_errors(inp, size["top_k"], got, True)) == "pass"
+    got[3] = got[3].clone()
+    got[3][1] = 0
+    assert moe_layer.ref_check(moe_layer.reference_errors(inp, size["top_k"], got, True)).startswith("fail: dw13")
+
+    jinp = jax_moe_layer.inputs(size)
+    step = jax_moe_layer.dc_step("maxtext", size["top_k"], size["experts"])
+    jgot = list(step(jinp["w_router"], jinp["x"], jinp["dout"]))
+    assert moe_layer.ref_check(jax_moe_layer.reference_errors(jinp, size["top_k"], jgot, False)) == "pass"
+    jgot[0] = jgot[0][jnp.array([1, 0, *range(2, size["tokens"])])]
+    assert moe_layer.ref_check(jax_moe_layer.reference_errors(jinp, size["top_k"], jgot, False)).startswith("fail: out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: `python -m benchmarks.jax_moe_layer` itself runs there")
+def test_jax_moe_layer_runs_both_paths(tmp_path):
+    """`benchmarks.jax_moe_layer --smoke`: xkern's and MaxText's paths, the whole step and dispatch + combine,
+    each checked against the FP32 reference, bitwise run to run, its compiled memory and its time over the torch
+    xkern row's read from the torch benchmark's JSON."""
+    from benchmarks import jax_moe_layer, moe_layer, timing
+
+    size = moe_layer.SMOKE_SIZE
+    torch_rows = [{"framework": "torch", "impl": "xkern", "part": part, "us": 1.0, "size": "smoke", **size}
+                  for part in ("layer", "dispatch+combine")]
+    (tmp_path / "cpu-moe-layer.json").write_text(json.dumps({"rows": torch_rows}))
+    try:
+        assert jax_moe_layer.main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        timing.set_smoke(False)
+    results = json.loads((tmp_path / "cpu-jax-moe-layer.json").read_text())
+    rows = results["rows"]
+    assert results["complete"]
+    assert {(r["impl"], r["part"]) for r in rows} == {(p, part) for p in jax_moe_layer.PATHS
+                                                     for part in ("layer", "dispatch+combine")}
+    for r in rows:
+        assert r["status"] == "ok" and r["ref_check"] == "pass" and r["bitwise_run_to_run"], r
+        assert r["peak_mib"] > 0 and r["vs_torch_xkern"] == r["us"] / 1.0
+    assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="read on CPU's HLO: on a GPU XLA rewrites the GEMMs into "
+                    "fusions and custom calls")
+@pytest.mark.parametrize("path", [pytest.param("xkern", marks=pytest.mark.slow), "maxtext"])
+def test_jax_moe_timed_loop_keeps_every_gemm(path):
+    """The JAX MoE benchmark's timing loop (two steps per iteration) computes every GEMM of both steps: the
+    compiled loop holds each dot of one step twice (XLA dropped the first step's weight-gradient GEMMs when
+    nothing read them)."""
+    import re
+
+    import jax
+
+    from benchmarks import jax_moe_layer, moe_layer
+
+    size = moe_layer.SMOKE_SIZE
+    inp = jax_moe_layer.inputs(size)
+    step = jax_moe_layer.layer_step(path, size["top_k"], size["experts"])
+    consts = ((inp["w_router"], inp["w13"], inp["w2"]), inp["dout"])
+    loop_step = jax_moe_layer.timed_step(step)
+    state = (inp["x"], jax.numpy.zeros((), "float32"))
+
+    def dots(fn, *args):
+        return sorted(re.findall(r"= (\S+) (?:dot|ragged-dot)\(", jax.jit(fn).lower(*args).compile().as_text()))
+
+    one = dots(step, consts[0], inp["x"], consts[1])
+    loop = dots(lambda c, s: jax.lax.fori_loop(0, 3, lambda i, s: loop_step(c, loop_step(c, s)), s), consts, state)
+    assert len(one) >= 8 and loop == sorted(one * 2), (one, loop)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: `python -m benchmarks.hf_moe_step` itself runs there")
+def test_hf_moe_step_runs_both_experts_paths(tmp_path):
+    """`benchmarks.hf_moe_step --smoke`: a tiny Qwen3-MoE trains one step with transformers' experts and with
+    xkern's, each path's logits and gradients checked against the FP32 model."""
+    from benchmarks import hf_moe_step
+
+    assert hf_moe_step.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu-hf-moe-step.json").read_text())["rows"]
+    assert [r["path"] for r in rows] == list(hf_moe_step.PATHS)
+    assert all(r["status"] == "ok" and r["ref_check"] == "pass" and r["step_ms"] > 0 for r in rows), rows
+    assert all(0 < r["ref_rel_l2"]["experts_grads"] < hf_moe_step.REF_TOL for r in rows)
