@@ -111,7 +111,7 @@ def cached(key: tuple, make, *args):
 
 def signature(t: torch.Tensor | None) -> tuple | None:
     """What an eager executor depends on in a tensor (None: an absent optional input). A contiguous tensor's
-    strides are its shape's wherever one is used (a size-1 dim's stride never is): no stride tuple."""
+    strides are its shape's wherever one addresses memory (a size-1 dim's never does): no stride tuple."""
     return None if t is None else (t.shape, t.dtype, t.device, None if t.is_contiguous() else t.stride())
 
 
