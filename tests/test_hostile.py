@@ -234,6 +234,32 @@ def test_5_eps_bool_after_a_cached_call():
         torch_api.rms_norm(x, w, True)
 
 
+def test_5_every_eager_op_checks_a_call_that_equals_a_cached_one():
+    """One eager path for every torch op: executors cached per call signature, the arguments checked on a
+    miss. A bad argument equal to a cached good one (True == 1, 2.0 == 2) must miss and be refused, every
+    call."""
+    x = torch.ones(4, 8, device=DEVICE) + 0.5
+    w = torch.ones(8, device=DEVICE)
+    torch_api.add_rms_norm(x, x, w, 1)
+    idx = torch.tensor([1, 0, -1, 3, 2], dtype=torch.int32, device=DEVICE)
+    y = torch.randn(5, 8, device=DEVICE)
+    probs = torch.rand(2, 2, device=DEVICE)
+    torch_api.permute_rows(x[:2], idx, top_k=2)
+    torch_api.unpermute_rows(y, idx, 4, top_k=2, probs=probs)
+    torch_api.inverse_permutation(idx, 4)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="eps"):
+            torch_api.add_rms_norm(x, x, w, True)
+        with pytest.raises(TypeError, match="top_k"):
+            torch_api.permute_rows(x[:2], idx, top_k=2.0)
+        with pytest.raises(TypeError, match="top_k"):
+            torch_api.unpermute_rows(y, idx, 4, top_k=2.0, probs=probs)
+        with pytest.raises(TypeError, match="num_rows"):
+            torch_api.inverse_permutation(idx, 4.0)
+        with pytest.raises(ValueError, match="probs"):
+            torch_api.unpermute_rows(y, idx, 4, top_k=2, probs=probs.T[:1])
+
+
 # ---------------------------------------------------------------------------------------------------
 # 6. Index arithmetic that would overflow int32: an error naming the argument, never a wrapped layout.
 

@@ -393,3 +393,46 @@ def test_indices_naming_no_copy_are_dropped():
         jout = jax_api.unpermute_rows(jnp.asarray(y), jnp.asarray(idx), tokens * top_k, top_k=top_k,
                                       probs=jnp.asarray(p))
         assert same_bits(jout, out)
+
+
+@pytest.mark.parametrize("top_k, weighted", [(1, False), (2, False), (2, True), (1, True)],
+                         ids=["gather", "copy-sum", "combine", "combine-k1"])
+def test_each_unpermute_form_is_the_core_recipe(monkeypatch, top_k, weighted):
+    """Which form of unpermute_rows runs is `xkern.permute.unpermute_recipe`'s choice alone: an eager call
+    launches that recipe's kernels and nothing else, with the registered op's bits, and the backward is
+    permute_rows(top_k) without probs or the combine's backward kernel with them."""
+    from torch_api import _launch
+    from xkern.permute import combine_bwd_recipe, permute_recipe, unpermute_recipe
+
+    tokens, h = 3, 8
+    idx = to_torch(_routing(("form", top_k), tokens, top_k, 3, drop=False).astype(np.int32))
+    rng = _rng("form", top_k, weighted)
+    y = to_torch(rand(rng, (idx.shape[0], h), "float32")).requires_grad_()
+    probs = to_torch(rand(rng, (tokens, top_k), "float32")).requires_grad_() if weighted else None
+    dout = to_torch(rand(rng, (tokens if top_k > 1 or weighted else tokens * top_k, h), "float32"))
+    launched = []
+    real = _launch._Launcher.__call__
+
+    def launch(self, arrays, device):
+        launched.append(self.plan.kernel)
+        return real(self, arrays, device)
+
+    monkeypatch.setattr(_launch._Launcher, "__call__", launch)
+    out = torch_api.unpermute_rows(y, idx, tokens * top_k, top_k=top_k, probs=probs)
+    n_slots = int(idx.shape[0])
+    fwd = unpermute_recipe(n_slots, h, tokens * top_k, "float32", h, "int32", top_k,
+                           "float32" if weighted else None)
+    bwd = combine_bwd_recipe(n_slots, h, tokens * top_k, "float32", h, h, top_k, "float32") if weighted else \
+        permute_recipe(n_slots, h, out.shape[0], "float32", h, top_k)
+    grads = torch.autograd.grad(out, (y, probs) if weighted else (y,), dout)
+    assert launched == [s.launch.kernel for r in (fwd, bwd) for s in r.steps if s.launch is not None]
+    monkeypatch.undo()
+    if top_k == 1 and not weighted:
+        want = torch.ops.xkern.unpermute_rows(y.detach(), idx, tokens)
+    else:
+        want = torch.ops.xkern.combine_rows(y.detach(), idx, tokens * top_k, top_k,
+                                            None if probs is None else probs.detach())
+    assert same_bits(out, want)
+    want_dy = torch.ops.xkern.combine_rows_bwd(dout, y.detach(), idx, probs.detach(), tokens * top_k, top_k)[0] \
+        if weighted else torch_api.permute_rows(dout, idx, top_k=top_k)
+    assert same_bits(grads[0], want_dy)

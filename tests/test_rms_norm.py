@@ -569,23 +569,42 @@ def test_forward_reads_x_twice_where_the_sweep_measured_it_faster():
         True, True, True, True, False, False]
 
 
-def test_eager_training_step_takes_the_direct_path():
+def test_eager_training_step_takes_the_direct_path(monkeypatch):
     """Plain tensors in eager: autograd's C++ apply (Function.apply's Python wrapper rebinds the arguments
-    through inspect.signature on every call, a third of the step's host time on the H200) and the cached
-    executors of forward and backward, not the registered ops (whose dispatch costs more)."""
-    import importlib
-    import types
+    through inspect.signature on every call, a third of the step's host time on the H200) and the eager
+    executors, whose launches are the recipes' and nothing else (not the registered ops', whose dispatch costs
+    more), with the registered ops' bits; a bad argument is refused on every call, not only the first."""
+    import inspect
 
-    RM = importlib.import_module("torch_api.rms_norm")
-    P = importlib.import_module("torch_api.permute")
-    for apply in (RM._apply_rms_norm, P._apply_permute, P._apply_unpermute):
-        assert isinstance(apply, types.BuiltinMethodType), apply
+    from torch_api import _launch
+    from xkern.rms_norm import rms_norm_bwd_recipe, rms_norm_fwd_recipe
+
     rng = np.random.default_rng(11)
     x = to_torch(rand(rng, (3, 40), "bfloat16")).requires_grad_()
     w = to_torch(rand(rng, (40,), "bfloat16")).requires_grad_()
-    RM._FORWARDS.clear()
-    RM._BACKWARDS.clear()
-    y = torch_api.rms_norm(x, w, 1e-6)
-    assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
-    torch.autograd.grad(y, (x, w), torch.ones_like(y))
-    assert len(RM._FORWARDS) == 1 and len(RM._BACKWARDS) == 1
+    dy = to_torch(rand(rng, (3, 40), "bfloat16"))
+    launched, binds = [], []
+    real_launch, real_signature = _launch._Launcher.__call__, inspect.signature
+
+    def launch(self, arrays, device):
+        launched.append(self.plan.kernel)
+        return real_launch(self, arrays, device)
+
+    monkeypatch.setattr(_launch._Launcher, "__call__", launch)
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: binds.append(a) or real_signature(*a, **k))
+    for _ in range(2):  # a miss, then a hit
+        launched.clear()
+        y = torch_api.rms_norm(x, w, 1e-6)
+        assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        recipes = (rms_norm_fwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, "llama"),
+                   rms_norm_bwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, 40, variant="llama"))
+        assert launched == [s.launch.kernel for r in recipes for s in r.steps if s.launch is not None]
+        assert not binds
+    monkeypatch.undo()
+    want = torch.ops.xkern.rms_norm_fwd(x.detach(), w.detach(), 1e-6, "llama")
+    want_dx, want_dw = torch.ops.xkern.rms_norm_bwd(dy, x.detach(), w.detach(), 1e-6, "llama")
+    assert same_bits(y, want) and same_bits(dx, want_dx) and same_bits(dw, want_dw)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="variant"):
+            torch_api.rms_norm(x.detach(), w.detach(), 1e-6, variant="bogus")

@@ -2,13 +2,13 @@
 
 import torch
 
-from torch_api.add_rms_norm import add_rms_norm
+from torch_api.add_rms_norm import RMSNorm, add_rms_norm
 from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.hf import fuse_residual_norms, patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.hf_moe import register_xkern_experts, use_xkern_experts
 from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
-from torch_api.rms_norm import RMSNorm, rms_norm
+from torch_api.rms_norm import rms_norm
 
 if torch.distributed.is_available():
     import torch_api.sharding  # noqa: F401  (DTensor sharding strategies of the xkern ops)

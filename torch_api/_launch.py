@@ -20,7 +20,7 @@ import torch
 from torch.autograd import forward_ad
 from triton import knobs
 
-from xkern.launch import INTERPRET, Launch, Recipe, bind, run_interpreted
+from xkern.launch import INTERPRET, Launch, Recipe, bind, row_align, run_interpreted
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32,
           "int64": torch.int64}
@@ -50,12 +50,15 @@ _peek_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def eager(a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-    """Whether an eager call may launch directly (an `Executor`) rather than through the registered op:
-    plain tensors (`b` may be None), not being compiled or traced, no dispatch mode active. Under a
-    functorch transform the op's autograd.Function takes the call (its forward then sees plain tensors)."""
-    return (type(a) in _PLAIN and (b is None or type(b) in _PLAIN) and not torch.compiler.is_compiling()
-            and not _dispatch_modes())
+def eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call may launch directly (a cached `Executor`) rather than through the registered op:
+    plain tensors (None: an absent optional input), not being compiled or traced, no dispatch mode active.
+    Under a functorch transform the op's autograd.Function takes the call (its forward then sees plain
+    tensors)."""
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return not torch.compiler.is_compiling() and not _dispatch_modes()
 
 
 def functorch_active() -> bool:
@@ -76,12 +79,79 @@ def fast_apply(function: type[torch.autograd.Function]):
     return raw.__get__(None, function) if raw is not None else function.apply
 
 
-def needs_autograd(a: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> bool:
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether an eager call must go through its autograd.Function: a tensor (None: absent) requires grad,
     forward-mode AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
-    return (torch.is_grad_enabled() and (a.requires_grad or b is not None and b.requires_grad
-                                         or c is not None and c.requires_grad)
-            or forward_mode())
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return forward_mode()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The eager fast path, the same for every op: one cache of executors keyed on the call signature (the op's
+# name and everything its checks and its plan read: shapes, strides, dtypes, devices, scalars), the
+# arguments checked once, on a miss, by the function that builds the executor.
+
+_EXECUTORS: dict = {}
+
+
+def cached(key: tuple, make, *args):
+    """The executor cached under `key`, else `make(*args)` (which checks the arguments, then builds it) cached
+    there. A key that cannot be hashed (an unhashable scalar) builds without caching: make's checks name it."""
+    try:
+        ex = _EXECUTORS.get(key)
+    except TypeError:
+        return make(*args)
+    if ex is None:
+        ex = _EXECUTORS[key] = make(*args)
+    return ex
+
+
+def signature(t: torch.Tensor | None) -> tuple | None:
+    """What an eager executor depends on in a tensor (None: an absent optional input). A contiguous tensor's
+    strides are its shape's wherever one addresses memory (a size-1 dim's never does): no stride tuple."""
+    return None if t is None else (t.shape, t.dtype, t.device, None if t.is_contiguous() else t.stride())
+
+
+def rows_layout(t: torch.Tensor) -> tuple[bool, int]:
+    """Whether the eager path copies `t` (contiguous) rather than reading it in place, and the row stride it
+    then reads. In place: rows that collapse to one row stride with the alignment of a contiguous array's
+    (JAX's layout: another ROW_ALIGN would compile another binary, with other sum orders)."""
+    t2 = rows_view(t)
+    n_cols = t.shape[-1]
+    copy = t.numel() > 0 and (t2.data_ptr() != t.data_ptr() or row_align(n_cols, t2.stride(0)) != row_align(n_cols))
+    return copy, n_cols if copy else t2.stride(0)
+
+
+def readable(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`t` as the kernels read it (`rows_layout`'s `copy`): a contiguous copy, or t itself at a 16-byte-aligned
+    address (as JAX's buffers always are; Triton compiles misaligned pointers to another binary), else an
+    aligned copy with t's strides."""
+    if copy:
+        return t.contiguous() if t.data_ptr() & 15 == 0 else t.clone(memory_format=torch.contiguous_format)
+    if t.data_ptr() & 15 == 0:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def flat_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm's weight as the kernels read it, contiguous: one copy for strided or expanded weights."""
+    return weight if weight is None or weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
+
+
+def aligned_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm's weight as the eager path reads it: contiguous and 16-byte aligned (see `readable`)."""
+    if weight is None:
+        return None
+    weight = flat_weight(weight)
+    return weight if weight.data_ptr() & 15 == 0 else weight.clone()
+
+
+def dtype_or_none(t: torch.Tensor | None) -> str | None:
+    """An optional input's dtype name (None: absent)."""
+    return None if t is None else dtype_name(t.dtype)
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:

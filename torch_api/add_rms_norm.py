@@ -1,9 +1,10 @@
-"""Fused residual add + RMSNorm for PyTorch: `add_rms_norm` and the `xkern::add_rms_norm_*` ops behind it.
+"""Fused residual add + RMSNorm for PyTorch: `add_rms_norm`, the `xkern::add_rms_norm_*` ops behind it, and the
+`RMSNorm` module (`rms_norm`, or `add_rms_norm` when given a residual).
 
 `y, residual_out = add_rms_norm(x, residual, w)` is Hugging Face's decoder-layer pair `residual_out = x +
 residual; y = norm(residual_out)` in one kernel (one read of x and residual, one write of y and residual_out),
 and its backward one kernel too (reads dy, residual_out's gradient, residual_out and w once each). Eager calls
-on plain tensors launch the recipes directly (an `Executor` per call signature, autograd through
+on plain tensors launch the recipes directly (an executor per call signature, autograd through
 `_AddRMSNormFunction`); everything else (torch.compile, export, DTensor) goes through the registered
 `torch.library.triton_op`s. The recipes and the rounding contract are in `xkern/rms_norm.py` (search "Fused
 residual add").
@@ -23,19 +24,28 @@ import torch
 
 from torch_api._launch import (
     Executor,
+    aligned_weight,
+    cached,
     check_device,
     check_tensor,
     dtype_name,
+    dtype_or_none,
     eager,
+    fast_apply,
+    flat_weight,
     forward_mode,
     functorch_active,
     needs_autograd,
+    readable,
     register_op,
+    rows_layout,
     rows_view,
     run_recipe,
+    signature,
 )
-from torch_api.rms_norm import _aligned_weight, _flat_weight, _w_dtype, rms_norm
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
+from torch_api.rms_norm import reference_math, rms_norm
+from xkern.launch import check_float
+from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm, check_variant
 
 
 def _check(x, residual, weight, eps, variant, residual_dtype) -> tuple[str, str]:
@@ -67,9 +77,9 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
     """(y, residual_out), both contiguous in x's shape."""
     x2, r2 = rows_view(x), rows_view(residual)
     recipe = add_rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
-                                     dtype_name(residual.dtype), _w_dtype(weight), residual_dtype, int(x2.stride(0)),
-                                     int(r2.stride(0)), variant)
-    y, res = run_recipe(recipe, x.device, x=x2, r=r2, w=_flat_weight(weight))
+                                     dtype_name(residual.dtype), dtype_or_none(weight), residual_dtype,
+                                     int(x2.stride(0)), int(r2.stride(0)), variant)
+    y, res = run_recipe(recipe, x.device, x=x2, r=r2, w=flat_weight(weight))
     return y.view(x.shape), res.view(x.shape)
 
 
@@ -80,10 +90,10 @@ def add_rms_norm_bwd(dy: torch.Tensor, dres: Optional[torch.Tensor], residual_ou
     """d(sum) in residual_out's dtype, and dw (of shape [0] without a weight). dres: residual_out's gradient
     (residual_out's dtype), or None."""
     s2, dy2 = rows_view(residual_out), rows_view(dy)
-    inputs = dict(x=s2, w=_flat_weight(weight), dy=dy2)
+    inputs = dict(x=s2, w=flat_weight(weight), dy=dy2)
     if dres is not None:
         inputs["dres"] = rows_view(dres)
-    recipe = add_rms_norm_bwd_recipe(int(s2.shape[0]), int(residual_out.shape[-1]), eps, x_dtype, _w_dtype(weight),
+    recipe = add_rms_norm_bwd_recipe(int(s2.shape[0]), int(residual_out.shape[-1]), eps, x_dtype, dtype_or_none(weight),
                                      dtype_name(residual_out.dtype), dres is not None, int(s2.stride(0)),
                                      int(dy2.stride(0)), None if dres is None else int(inputs["dres"].stride(0)),
                                      variant=variant)
@@ -91,26 +101,18 @@ def add_rms_norm_bwd(dy: torch.Tensor, dres: Optional[torch.Tensor], residual_ou
     return dsum.view(residual_out.shape), dw.view(-1)
 
 
-def _norm_math(s: torch.Tensor, weight, eps: float, variant: str, x_dtype: torch.dtype) -> torch.Tensor:
+def _y(s: torch.Tensor, weight, eps: float, variant: str, x_dtype: torch.dtype) -> torch.Tensor:
     """y of the contract from residual_out `s`, differentiable: xkern's rms_norm where `normed` rounds to s's
-    own dtype, else the eager expression with `normed` rounded to x's dtype."""
+    own dtype (the kernel's bits), else the eager expression with `normed` rounded to x's dtype."""
     if s.dtype == x_dtype:
         return rms_norm(s, weight, eps, variant="llama" if variant == "none" else variant)
-    sf = s.float()
-    normed = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        return normed.to(x_dtype)
-    if variant == "llama":
-        return weight * normed.to(x_dtype)
-    if variant == "gemma":
-        return (normed * (1.0 + weight.float())).to(x_dtype)
-    return (weight * normed).to(x_dtype)
+    return reference_math(s, weight, eps, variant, normed_dtype=x_dtype)
 
 
 def _composite(x, residual, weight, eps, variant, res_dtype: torch.dtype):
     """The contract in differentiable torch ops (forward-mode AD, torch.func)."""
     s = (x.float() + residual.float()).to(res_dtype)
-    return _norm_math(s, weight, eps, variant, x.dtype), s
+    return _y(s, weight, eps, variant, x.dtype), s
 
 
 def _setup_context(ctx, inputs, output):
@@ -129,7 +131,7 @@ def _backward(ctx, dy, dres):
     elif torch.is_grad_enabled():  # create_graph: a differentiable backward, through the composite
         with torch.enable_grad():
             s = res if res.requires_grad else res.detach().requires_grad_()
-            y = _norm_math(s, weight, ctx.eps, ctx.variant, ctx.x_dtype)
+            y = _y(s, weight, ctx.eps, ctx.variant, ctx.x_dtype)
         wants = [t for t in (s, weight) if t is not None and t.requires_grad]
         grads = dict(zip(map(id, wants), torch.autograd.grad(y, wants, dy, create_graph=True, allow_unused=True)))
         dsum, dw = grads.get(id(s)), None if weight is None else grads.get(id(weight))
@@ -149,58 +151,89 @@ add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Eager on plain tensors: the recipes' launches straight from an `Executor` cached per call signature (the
-# registered op's dispatch and Triton's launcher cost the host tens of µs per call). Inputs the kernels do
-# not read in place (not contiguous, not 16-byte aligned) are copied first.
-
-_FORWARDS: dict = {}
-_BACKWARDS: dict = {}
+# Eager on plain tensors: the recipes' launches straight from executors cached per call signature
+# (`torch_api._launch.cached`: checked once, on a miss), as rms_norm's; rows read in place where their layout
+# allows, else copied first.
 
 
-def _direct_input(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.is_contiguous() and t.data_ptr() & 15 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+class _Forward:
+    """The forward's executor for one call signature, with the checked variant and residual_out's dtype."""
 
-
-def _forward_direct(x, residual, weight, eps, variant, res_name):
-    key = (x.shape, x.dtype, residual.dtype, x.device, None if weight is None else weight.dtype, eps, variant,
-           res_name)
-    run = _FORWARDS.get(key)
-    if run is None:
+    def __init__(self, x, residual, weight, eps: float, variant, residual_dtype):
+        self.res_name, self.variant = _check(x, residual, weight, eps, variant, residual_dtype)
+        self.eps = eps
+        (self.copy_x, x_row_stride), (self.copy_r, r_row_stride) = rows_layout(x), rows_layout(residual)
+        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = add_rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], eps, dtype_name(x.dtype),
-                                         dtype_name(residual.dtype), _w_dtype(weight), res_name, variant=variant)
-        run = _FORWARDS[key] = Executor(recipe, ("x", "r", "w"), {"y": x.shape, "residual_out": x.shape})
-    y, res = run(_direct_input(x), _direct_input(residual), _aligned_weight(weight))
-    return y, res
+                                         dtype_name(residual.dtype), dtype_or_none(weight), self.res_name,
+                                         x_row_stride, r_row_stride, self.variant)
+        self.run = Executor(recipe, ("x", "r", "w"), {"y": x.shape, "residual_out": x.shape})
+
+    def __call__(self, x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.copy_x or x.data_ptr() & 15:
+            x = readable(x, self.copy_x)
+        if self.copy_r or residual.data_ptr() & 15:
+            residual = readable(residual, self.copy_r)
+        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
+            weight = aligned_weight(weight)
+        y, res = self.run.run(x, residual, weight)
+        return y, res
+
+
+class _Backward:
+    """The backward's executor for one call signature: d(sum) in residual_out's dtype, and dw."""
+
+    def __init__(self, dy, dres, res, weight, eps: float, variant: str, x_dtype: torch.dtype):
+        variant = check_variant(variant, weight is not None)
+        (self.copy_dy, dy_row_stride), (self.copy_dres, dres_row_stride) = rows_layout(dy), (
+            (False, None) if dres is None else rows_layout(dres))
+        self.flat_w = weight is None or flat_weight(weight) is weight
+        recipe = add_rms_norm_bwd_recipe(math.prod(res.shape[:-1]), res.shape[-1], eps, dtype_name(x_dtype),
+                                         dtype_or_none(weight), dtype_name(res.dtype), dres is not None,
+                                         res.shape[-1], dy_row_stride, dres_row_stride, variant=variant)
+        shapes = {"dx": res.shape, "dw": weight.shape if weight is not None else (0,)}
+        self.run = Executor(recipe, ("x", "w", "dy", "dres"), shapes)
+
+    def __call__(self, dy, dres, res, weight):
+        if self.copy_dy or dy.data_ptr() & 15:
+            dy = readable(dy, self.copy_dy)
+        if dres is not None and (self.copy_dres or dres.data_ptr() & 15):
+            dres = readable(dres, self.copy_dres)
+        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
+            weight = aligned_weight(weight)
+        dsum, dw = self.run.run(res, weight, dy, dres)
+        return dsum, dw
 
 
 def _backward_direct(dy, dres, res, weight, eps, variant, x_dtype):
-    key = (res.shape, res.dtype, res.device, dy.dtype, dres is not None, None if weight is None else weight.dtype,
-           eps, variant, x_dtype)
-    run = _BACKWARDS.get(key)
-    if run is None:
-        recipe = add_rms_norm_bwd_recipe(math.prod(res.shape[:-1]), res.shape[-1], eps, dtype_name(x_dtype),
-                                         _w_dtype(weight), dtype_name(res.dtype), dres is not None, variant=variant)
-        shapes = {"dx": res.shape, "dw": weight.shape if weight is not None else (0,)}
-        run = _BACKWARDS[key] = Executor(recipe, ("x", "w", "dy", "dres"), shapes)
-    dsum, dw = run(res, _aligned_weight(weight), _direct_input(dy), _direct_input(dres))
-    return dsum, dw
+    # res: the forward's residual_out, contiguous and aligned (an executor's result)
+    key = ("add_rms_norm_bwd", signature(dy), signature(dres), signature(res), signature(weight), eps, variant,
+           x_dtype)
+    return cached(key, _Backward, dy, dres, res, weight, eps, variant, x_dtype)(dy, dres, res, weight)
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
-    """Eager autograd over the direct launches (plain tensors, no transform): the registered op's backward."""
+    """Eager autograd over the direct launches (plain tensors, no transform): the registered op's backward.
+    `fwd`: the call signature's `_Forward` (checked arguments, eps, variant, residual_out's dtype)."""
 
     @staticmethod
-    def forward(x, residual, weight, eps, variant, res_name):
-        return _forward_direct(x, residual, weight, eps, variant, res_name)
+    def forward(x, residual, weight, fwd):
+        return fwd(x, residual, weight)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+        x, residual, weight, fwd = inputs
+        _setup_context(ctx, (x, residual, weight, fwd.eps, fwd.variant, None), output)
         ctx.direct = True
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, dy, dres):
+        return _backward(ctx, dy, dres)[:4]
+
+
+# Without a functorch transform (add_rms_norm takes the composite under one) the C++ apply does the work of
+# Function.apply's Python wrapper (see `fast_apply`).
+_apply_add_rms_norm = fast_apply(_AddRMSNormFunction)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
@@ -217,11 +250,45 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     layout whose rows collapse to one stride (else a copy). Differentiable in x, residual and weight; the
     backward returns one gradient, d(residual_out), for x and residual (the same tensor when their dtypes
     match, else converted to each)."""
+    eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
+    if eager(x, residual, weight) and not forward_mode():
+        key = ("add_rms_norm_fwd", signature(x), signature(residual), signature(weight), eps, variant,
+               residual_dtype)
+        fwd = cached(key, _Forward, x, residual, weight, eps, variant, residual_dtype)
+        if needs_autograd(x, residual, weight):
+            return _apply_add_rms_norm(x, residual, weight, fwd)
+        return fwd(x, residual, weight)
     res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
     if not torch.compiler.is_compiling() and (forward_mode() or functorch_active()):
-        return _composite(x, residual, weight, float(eps), variant, getattr(torch, res_name))
-    if eager(x, residual) and (weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter)):
-        if needs_autograd(x, residual, weight):
-            return _AddRMSNormFunction.apply(x, residual, weight, float(eps), variant, res_name)
-        return _forward_direct(x, residual, weight, float(eps), variant, res_name)
-    return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, float(eps), variant, res_name)
+        return _composite(x, residual, weight, eps, variant, getattr(torch, res_name))
+    return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, eps, variant, res_name)
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in Hugging Face-style RMSNorm module: `weight` and `eps`, forward = `rms_norm`.
+
+    variant: as `rms_norm`'s; the weight starts at ones, or zeros for "gemma" (whose scale is `1 + w`), so a
+    fresh module is the identity scale. weight=False: no weight parameter (`normed.to(x.dtype)`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, variant: str = "llama",
+                 weight: bool = True):
+        super().__init__()
+        self.variant = variant
+        check_variant(variant, weight)
+        init = torch.zeros if variant == "gemma" else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype)) if weight else None
+        self.variance_epsilon = eps
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`rms_norm(x)`; with a residual, `add_rms_norm(x, residual)`: (y, residual_out)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, variant=self.variant)
+
+    def extra_repr(self) -> str:
+        shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else "no weight, "
+        return f"{shape}eps={self.variance_epsilon}" + (f", variant={self.variant}" if self.variant != "llama" else "")

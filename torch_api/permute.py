@@ -1,10 +1,13 @@
 """Padded expert row gather for MoE in PyTorch: `generate_permute_indices`, `permute_rows`,
 `inverse_permutation`, `unpermute_rows`, and the `xkern::*` ops behind them.
 
-The ops are registered with `torch.library` (fake implementations included) so `torch.compile(
-fullgraph=True)` traces them. The backward of `permute_rows` is `unpermute_rows` and vice versa (a gather
-through the inverse permutation, never a scatter-add), so gradients of any order are these same ops.
-Contract and kernels: see `xkern/permute.py`.
+Eager calls on plain tensors launch the recipes directly (executors cached per call signature,
+`torch_api._launch.cached`, the arguments checked on a miss; autograd through `_Permute` and `_Unpermute`).
+Everything else (torch.compile, export, DTensor) goes through the registered ops, fake implementations
+included, with the same autograd. The backward of `permute_rows` is `unpermute_rows` and vice versa (a gather
+through the inverse permutation, never a scatter-add), so gradients of any order are these same ops. Which
+form of unpermute_rows runs (the gather, the copy-sum, the weighted combine) is the core's
+`unpermute_recipe`'s choice. Contract and kernels: see `xkern/permute.py`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import torch
 
 from torch_api._launch import (
     Executor,
+    cached,
     check_device,
     check_tensor,
     dtype_name,
+    dtype_or_none,
     eager,
     fast_apply,
     forward_mode,
@@ -23,6 +28,7 @@ from torch_api._launch import (
     needs_autograd,
     register_op,
     run_recipe,
+    signature,
 )
 from xkern.launch import check_int
 from xkern.permute import (
@@ -30,7 +36,6 @@ from xkern.permute import (
     check_index,
     check_layout,
     check_permutation,
-    check_probs,
     check_rows,
     check_top_k,
     check_unpermute,
@@ -48,18 +53,58 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if x.stride(1) != 1 and x.shape[1] > 1 else x
 
 
-# int(): the plans depend on the shapes, so a compiled graph specializes on them.
-def _permute_recipe(x, idx):
-    return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)))
+# int(): the plans depend on the shapes, so a compiled graph specializes on them. `x`, `y`, `dout`: as `_rows`
+# gives them.
+def _permute_recipe(x, idx, top_k: int = 1):
+    return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)),
+                          top_k)
 
 
-def _unpermute_recipe(y, idx, num_rows):
+def _unpermute_recipe(y, idx, num_rows: int, top_k: int = 1, probs=None):
     return unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
-                            dtype_name(idx.dtype))
+                            dtype_name(idx.dtype), top_k, dtype_or_none(probs))
+
+
+def _combine_grads_recipe(dout, y, idx, probs, num_rows, top_k):
+    return combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(dout.stride(0)),
+                              int(y.stride(0)), top_k, dtype_name(probs.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Registered ops: torch.compile, export, DTensor, fake tensors.
+# Argument checks: the core's rules on each call of the registered ops, on a cache miss in eager.
+
+
+def _check_rows(name: str, x) -> None:
+    check_tensor(name, x)
+    check_rows(name, dtype_name(x.dtype), tuple(x.shape))
+    check_device(name, x)
+
+
+def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
+    check_tensor(name, idx)
+    check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
+    check_device(name, idx, like=like)
+
+
+def _check_permute(x, idx) -> None:
+    _check_rows("x", x)
+    _check_index("permuted_indices", idx, like=x)
+
+
+def _check_unpermute(y, idx, num_rows: int, top_k: int = 1, probs=None) -> None:
+    _check_rows("y", y)
+    _check_index("permuted_indices", idx, like=y)
+    if probs is not None:
+        check_tensor("probs", probs)
+    check_unpermute(tuple(y.shape), tuple(idx.shape), num_rows, top_k, dtype_or_none(probs),
+                    None if probs is None else tuple(probs.shape))
+    if probs is not None:
+        check_device("probs", probs, like=y)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registered ops: torch.compile, export, DTensor, fake tensors. permute_rows and unpermute_rows (top_k 1, no
+# probs) have DTensor rules (torch_api/sharding.py); the top_k forms are ops of their own.
 
 
 @register_op("xkern::generate_permute_indices")
@@ -70,13 +115,6 @@ def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, ma
     return idx, m_sizes, m_offsets
 
 
-@register_op("xkern::permute_rows")
-def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    x = _rows(x)
-    (out,) = run_recipe(_permute_recipe(x, idx), x.device, x=x, idx=idx.contiguous())
-    return out
-
-
 @register_op("xkern::inverse_permutation")
 def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     (inv,) = run_recipe(inverse_recipe(int(idx.shape[0]), num_rows, dtype_name(idx.dtype)), idx.device,
@@ -84,67 +122,39 @@ def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     return inv
 
 
-@register_op("xkern::unpermute_rows")
-def _unpermute_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    y = _rows(y)
-    (out,) = run_recipe(_unpermute_recipe(y, idx, num_rows), y.device, y=y, idx=idx.contiguous())
+def _run_permute(x, idx, top_k):
+    x = _rows(x)
+    (out,) = run_recipe(_permute_recipe(x, idx, top_k), x.device, x=x, idx=idx.contiguous())
     return out
 
 
-def _save_idx(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-    ctx.num_rows = inputs[0].shape[0]
+def _run_unpermute(y, idx, num_rows, top_k, probs):
+    y = _rows(y)
+    inputs = dict(y=y, idx=idx.contiguous()) if probs is None else dict(y=y, idx=idx.contiguous(),
+                                                                         probs=probs.contiguous())
+    (out,) = run_recipe(_unpermute_recipe(y, idx, num_rows, top_k, probs), y.device, **inputs)
+    return out
 
 
-def _permute_backward(ctx, dout):
-    (idx,) = ctx.saved_tensors
-    return torch.ops.xkern.unpermute_rows(dout, idx, ctx.num_rows), None
-
-
-def _unpermute_backward(ctx, dout):
-    (idx,) = ctx.saved_tensors
-    return torch.ops.xkern.permute_rows(dout, idx), None, None
-
-
-_permute_op.register_autograd(_permute_backward, setup_context=_save_idx)
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_idx)
-
-
-# The top_k / weighted forms: permute from token rows, combine with probs. Their autograd is registered on
-# the ops and, for eager calls, the same functions in autograd.Functions with forward mode; gradients of
-# any order are these same ops.
-
-
-def _token_rows_recipe(x, idx, top_k):
-    return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)),
-                          top_k)
-
-
-def _combine_recipe(y, idx, num_rows, top_k, probs):
-    return unpermute_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(y.stride(0)),
-                            dtype_name(idx.dtype), top_k, None if probs is None else dtype_name(probs.dtype))
-
-
-def _combine_grads_recipe(dout, y, idx, probs, num_rows, top_k):
-    return combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(dout.stride(0)),
-                              int(y.stride(0)), top_k, dtype_name(probs.dtype))
+@register_op("xkern::permute_rows")
+def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return _run_permute(x, idx, 1)
 
 
 @register_op("xkern::permute_token_rows")
 def _permute_token_op(x: torch.Tensor, idx: torch.Tensor, top_k: int) -> torch.Tensor:
-    x = _rows(x)
-    (out,) = run_recipe(_token_rows_recipe(x, idx, top_k), x.device, x=x, idx=idx.contiguous())
-    return out
+    return _run_permute(x, idx, top_k)
+
+
+@register_op("xkern::unpermute_rows")
+def _unpermute_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return _run_unpermute(y, idx, num_rows, 1, None)
 
 
 @register_op("xkern::combine_rows")
 def _combine_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int, top_k: int,
                 probs: torch.Tensor | None) -> torch.Tensor:
-    y = _rows(y)
-    inputs = dict(y=y, idx=idx.contiguous()) if probs is None else dict(y=y, idx=idx.contiguous(),
-                                                                         probs=probs.contiguous())
-    (out,) = run_recipe(_combine_recipe(y, idx, num_rows, top_k, probs), y.device, **inputs)
-    return out
+    return _run_unpermute(y, idx, num_rows, top_k, probs)
 
 
 @register_op("xkern::combine_rows_bwd")
@@ -156,40 +166,10 @@ def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, prob
     return dy, dprobs.view(probs.shape)
 
 
-# Eager (plain tensors, not compiling): the same recipes through cached Executors (no op dispatch).
-def _layout(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _executor(key, make) -> Executor:
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        ex = _EXECUTORS[key] = make()
-    return ex
-
-
-def _token_rows_eager(x, idx, top_k):
-    x, idx = _rows(x), idx.contiguous()
-    ex = _executor(("token_rows", _layout(x), _layout(idx), top_k),
-                   lambda: Executor(_token_rows_recipe(x, idx, top_k), ("x", "idx")))
-    return ex(x, idx)[0]
-
-
-def _combine_eager(y, idx, num_rows, top_k, probs):
-    y, idx = _rows(y), idx.contiguous()
-    inputs = (y, idx) if probs is None else (y, idx, probs.contiguous())
-    names = ("y", "idx", "probs")[:len(inputs)]
-    ex = _executor(("combine", _layout(y), _layout(idx), num_rows, top_k, _layout(probs)),
-                   lambda: Executor(_combine_recipe(y, idx, num_rows, top_k, probs), names))
-    return ex(*inputs)[0]
-
-
-def _combine_grads_eager(dout, y, idx, probs, num_rows, top_k):
-    dout, y, idx, probs = _rows(dout), _rows(y), idx.contiguous(), probs.contiguous()
-    ex = _executor(("combine_grads", _layout(dout), _layout(y), _layout(idx), _layout(probs), num_rows, top_k),
-                   lambda: Executor(_combine_grads_recipe(dout, y, idx, probs, num_rows, top_k),
-                                    ("dout", "y", "idx", "probs"), shapes={"dprobs": tuple(probs.shape)}))
-    return tuple(ex(dout, y, idx, probs))
+# ---------------------------------------------------------------------------------------------------
+# Autograd, one set of rules for the registered ops and the eager Functions (which add forward mode):
+# permute's backward is unpermute (the gather, or the copy-sum with top_k) and vice versa without probs; with
+# probs, the combine's backward kernel. Both bilinear forms' derivatives are these same ops.
 
 
 def _save(ctx, tensors, **attrs):
@@ -199,40 +179,42 @@ def _save(ctx, tensors, **attrs):
     ctx.__dict__.update(attrs)
 
 
-def _save_token_rows(ctx, inputs, output):
-    x, idx, top_k = inputs
+def _save_permute(ctx, inputs, output):
+    x, idx, *top_k = inputs
+    top_k = top_k[0] if top_k else 1
     _save(ctx, (idx,), num_rows=x.shape[0] * top_k, top_k=top_k)
 
 
-def _permute_token_backward(ctx, dout):
+def _permute_backward(ctx, dout):
     (idx,) = ctx.saved_tensors
-    return _combine(dout, idx, ctx.num_rows, ctx.top_k, None), None, None
+    return _unpermute(dout, idx, ctx.num_rows, ctx.top_k, None), *(None,) * ctx.n_args
 
 
-def _permute_token_jvp(ctx, tx, _, __):
+def _permute_jvp(ctx, tx, *_):
     (idx,) = ctx.saved_tensors
-    return _permute_tokens(tx, idx, ctx.top_k)
+    return _permute(tx, idx, ctx.top_k)
 
 
-def _save_combine(ctx, inputs, output):
-    y, idx, num_rows, top_k, probs = inputs
+def _save_unpermute(ctx, inputs, output):
+    y, idx, num_rows, *rest = inputs
+    top_k, probs = rest if rest else (1, None)
     _save(ctx, (y if probs is not None else None, idx, probs), num_rows=num_rows, top_k=top_k)
 
 
-def _combine_backward(ctx, dout):
+def _unpermute_backward(ctx, dout):
     y, idx, probs = ctx.saved_tensors
-    if probs is None:  # p = 1: each slot gets its token's gradient
-        return _permute_tokens(dout, idx, ctx.top_k), None, None, None, None
+    if probs is None:  # p = 1: each slot gets its token's (or its row's) gradient
+        return _permute(dout, idx, ctx.top_k), *(None,) * ctx.n_args
     dy, dprobs = _combine_grads(dout, y, idx, probs, ctx.num_rows, ctx.top_k)
     return dy, None, None, None, dprobs
 
 
-def _combine_jvp(ctx, ty, _, __, ___, tprobs):
-    # linear in y and in p: d out = combine(ty, p) + combine(y, tp)
+def _unpermute_jvp(ctx, ty, _, __, ___=None, tprobs=None):
+    # linear in y and in p: d out = unpermute(ty, p) + unpermute(y, tp)
     y, idx, probs = ctx.saved_tensors
-    parts = [] if ty is None else [_combine(ty, idx, ctx.num_rows, ctx.top_k, probs)]
+    parts = [] if ty is None else [_unpermute(ty, idx, ctx.num_rows, ctx.top_k, probs)]
     if tprobs is not None:
-        parts.append(_combine(y, idx, ctx.num_rows, ctx.top_k, tprobs))
+        parts.append(_unpermute(y, idx, ctx.num_rows, ctx.top_k, tprobs))
     return sum(parts[1:], parts[0])
 
 
@@ -248,7 +230,7 @@ def _combine_bwd_backward(ctx, g_dy, g_dprobs):
     n, k = ctx.num_rows, ctx.top_k
     g_dy = torch.zeros_like(y) if g_dy is None else g_dy
     g_dprobs = torch.zeros_like(probs) if g_dprobs is None else g_dprobs
-    ddout = _combine(g_dy, idx, n, k, probs) + _combine(y, idx, n, k, g_dprobs)
+    ddout = _unpermute(g_dy, idx, n, k, probs) + _unpermute(y, idx, n, k, g_dprobs)
     gy, gprobs = _combine_grads(dout, g_dy, idx, g_dprobs, n, k)
     return ddout, gy, None, gprobs, None, None
 
@@ -263,64 +245,23 @@ def _combine_bwd_jvp(ctx, tdout, ty, _, tprobs, __, ___):
     return a[0] + b[0], a[1] + b[1]
 
 
-_permute_token_op.register_autograd(_permute_token_backward, setup_context=_save_token_rows)
-_combine_op.register_autograd(_combine_backward, setup_context=_save_combine)
+def _setup(save, n_args: int):
+    """`save`, recording how many non-differentiable arguments follow the first (the backward's Nones)."""
+    def setup_context(ctx, inputs, output):
+        save(ctx, inputs, output)
+        ctx.n_args = n_args
+    return setup_context
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_setup(_save_permute, 1))
+_permute_token_op.register_autograd(_permute_backward, setup_context=_setup(_save_permute, 2))
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_setup(_save_unpermute, 2))
+_combine_op.register_autograd(_unpermute_backward, setup_context=_setup(_save_unpermute, 4))
 _combine_bwd_op.register_autograd(_combine_bwd_backward, setup_context=_save_combine_bwd)
 
 
-def _function(name: str, op, setup_context, backward, jvp) -> type[torch.autograd.Function]:
-    """The eager form of a registered op: the same autograd, plus forward mode (`jvp`)."""
-    return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(lambda *args: op(*args)), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward), "jvp": staticmethod(jvp)})
-
-
-_PermuteTokens = _function("_PermuteTokens", _token_rows_eager, _save_token_rows, _permute_token_backward,
-                           _permute_token_jvp)
-_Combine = _function("_Combine", _combine_eager, _save_combine, _combine_backward, _combine_jvp)
-_CombineGrads = _function("_CombineGrads", _combine_grads_eager, _save_combine_bwd, _combine_bwd_backward,
-                          _combine_bwd_jvp)
-
-
-# Eager calls take the Executors, through the Functions where autograd is needed (forward mode too);
-# compiled and traced code, the ops (whose registered autograd is the same).
-def _permute_tokens(x, idx, top_k):
-    if not eager(x, idx):
-        return torch.ops.xkern.permute_token_rows(x, idx, top_k)
-    return _PermuteTokens.apply(x, idx, top_k) if needs_autograd(x) else _token_rows_eager(x, idx, top_k)
-
-
-def _combine(y, idx, num_rows, top_k, probs):
-    if not (eager(y, idx) and eager(idx, probs)):
-        return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
-    if needs_autograd(y, probs):
-        return _Combine.apply(y, idx, num_rows, top_k, probs)
-    return _combine_eager(y, idx, num_rows, top_k, probs)
-
-
-def _combine_grads(dout, y, idx, probs, num_rows, top_k):
-    if not (eager(dout, y) and eager(idx, probs)):
-        return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
-    if needs_autograd(dout, y, probs):
-        return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
-    return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Eager: executors cached per call signature; autograd Functions whose backward (and jvp) is a gather.
-
-_EXECUTORS: dict = {}
-
-
-def _cached(key, make) -> Executor:
-    """The executor cached under `key`, else `make()` (which checks the arguments first) cached there."""
-    try:
-        ex = _EXECUTORS.get(key)
-    except TypeError:  # an unhashable argument: make() names it
-        ex = None
-    if ex is None:
-        ex = _EXECUTORS[key] = make()
-    return ex
+# Eager: executors cached per call signature (`torch_api._launch.cached`: checked once, on a miss).
 
 
 def _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment) -> Executor:
@@ -331,118 +272,104 @@ def _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment) 
 
 def _inverse_executor(idx, num_rows) -> Executor:
     _check_index("permuted_indices", idx)
-    check_int("num_rows", num_rows)
     return Executor(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
 
 
-def _permute_eager(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    key = ("permute", x.shape, x.stride(), x.dtype, x.device, idx.shape, idx.dtype, idx.device)
-    ex = _EXECUTORS.get(key)
-    if ex is None:  # first call of this signature: the checks, then the recipe
-        _check_rows("x", x)
-        _check_index("permuted_indices", idx, like=x)
-        ex = _EXECUTORS[key] = Executor(_permute_recipe(_rows(x), idx), ("x", "idx"))
-    return ex(_rows(x), idx.contiguous())[0]
+def _permute_executor(x, idx, top_k) -> Executor:
+    _check_permute(x, idx)
+    return Executor(_permute_recipe(_rows(x), idx, top_k), ("x", "idx"))
 
 
-def _unpermute_eager(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    key = ("unpermute", y.shape, y.stride(), y.dtype, y.device, idx.shape, idx.dtype, idx.device, num_rows)
-    ex = _EXECUTORS.get(key)
-    if ex is None:
-        _check_unpermute(y, idx, num_rows)
-        ex = _EXECUTORS[key] = Executor(_unpermute_recipe(_rows(y), idx, num_rows), ("y", "idx"))
-    return ex(_rows(y), idx.contiguous())[0]
+def _unpermute_executor(y, idx, num_rows, top_k, probs) -> Executor:
+    _check_unpermute(y, idx, num_rows, top_k, probs)
+    return Executor(_unpermute_recipe(_rows(y), idx, num_rows, top_k, probs), ("y", "idx", "probs"))
+
+
+def _combine_grads_executor(dout, y, idx, probs, num_rows, top_k) -> Executor:
+    return Executor(_combine_grads_recipe(_rows(dout), _rows(y), idx, probs, num_rows, top_k),
+                    ("dout", "y", "idx", "probs"), shapes={"dprobs": tuple(probs.shape)})
+
+
+def _permute_eager(x, idx, top_k):
+    ex = cached(("permute", signature(x), signature(idx), top_k), _permute_executor, x, idx, top_k)
+    return ex.run(_rows(x), idx.contiguous())[0]
+
+
+def _unpermute_eager(y, idx, num_rows, top_k, probs):
+    ex = cached(("unpermute", signature(y), signature(idx), num_rows, top_k, signature(probs)), _unpermute_executor,
+                y, idx, num_rows, top_k, probs)
+    return ex.run(_rows(y), idx.contiguous(), None if probs is None else probs.contiguous())[0]
+
+
+def _combine_grads_eager(dout, y, idx, probs, num_rows, top_k):
+    key = ("combine_bwd", signature(dout), signature(y), signature(idx), signature(probs), num_rows, top_k)
+    ex = cached(key, _combine_grads_executor, dout, y, idx, probs, num_rows, top_k)
+    return tuple(ex.run(_rows(dout), _rows(y), idx.contiguous(), probs.contiguous()))
 
 
 class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(x, idx):
-        return _permute_eager(x, idx)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-        if forward_mode():
-            ctx.save_for_forward(inputs[1])
-        ctx.num_rows = inputs[0].shape[0]
-
-    @staticmethod
-    def backward(ctx, dout):
-        (idx,) = ctx.saved_tensors
-        return _unpermute(dout, idx, ctx.num_rows), None
-
-    @staticmethod
-    def jvp(ctx, tx, _):
-        (idx,) = ctx.saved_tensors
-        return _permute(tx, idx)
+    forward = staticmethod(_permute_eager)
+    setup_context = staticmethod(_setup(_save_permute, 2))
+    backward = staticmethod(_permute_backward)
+    jvp = staticmethod(_permute_jvp)
 
 
 class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(y, idx, num_rows):
-        return _unpermute_eager(y, idx, num_rows)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-        if forward_mode():
-            ctx.save_for_forward(inputs[1])
-        ctx.num_rows = inputs[2]
-
-    @staticmethod
-    def backward(ctx, dout):
-        (idx,) = ctx.saved_tensors
-        return _permute(dout, idx), None, None
-
-    @staticmethod
-    def jvp(ctx, ty, _, __):
-        (idx,) = ctx.saved_tensors
-        return _unpermute(ty, idx, ctx.num_rows)
+    forward = staticmethod(_unpermute_eager)
+    setup_context = staticmethod(_setup(_save_unpermute, 4))
+    backward = staticmethod(_unpermute_backward)
+    jvp = staticmethod(_unpermute_jvp)
 
 
+class _CombineGrads(torch.autograd.Function):
+    forward = staticmethod(_combine_grads_eager)
+    setup_context = staticmethod(_save_combine_bwd)
+    backward = staticmethod(_combine_bwd_backward)
+    jvp = staticmethod(_combine_bwd_jvp)
+
+
+# autograd.Function.apply's Python wrapper rebinds the arguments through inspect.signature on every call;
+# without a functorch transform the C++ apply does the same work (see `fast_apply`).
 _apply_permute, _apply_unpermute = fast_apply(_Permute), fast_apply(_Unpermute)
 
 
-def _permute(x, idx):
+# Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
+# compiled and traced code, the ops (checked on every call: tracing is not the hot path).
+def _permute(x, idx, top_k: int):
     if not eager(x, idx):
-        _check_rows("x", x)
-        _check_index("permuted_indices", idx, like=x)
-        return torch.ops.xkern.permute_rows(x, idx)
+        _check_permute(x, idx)
+        if top_k == 1:
+            return torch.ops.xkern.permute_rows(x, idx)
+        return torch.ops.xkern.permute_token_rows(x, idx, top_k)
     if not needs_autograd(x):
-        return _permute_eager(x, idx)
-    return _Permute.apply(x, idx) if functorch_active() else _apply_permute(x, idx)
+        return _permute_eager(x, idx, top_k)
+    return _Permute.apply(x, idx, top_k) if functorch_active() else _apply_permute(x, idx, top_k)
 
 
-def _unpermute(y, idx, num_rows):
-    if not eager(y, idx):
-        _check_unpermute(y, idx, num_rows)
-        return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
-    if not needs_autograd(y):
-        return _unpermute_eager(y, idx, num_rows)
-    return _Unpermute.apply(y, idx, num_rows) if functorch_active() else _apply_unpermute(y, idx, num_rows)
+def _unpermute(y, idx, num_rows: int, top_k: int, probs):
+    if not eager(y, idx, probs):
+        _check_unpermute(y, idx, num_rows, top_k, probs)
+        if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
+            return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
+        return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    if not needs_autograd(y, probs):
+        return _unpermute_eager(y, idx, num_rows, top_k, probs)
+    if functorch_active():
+        return _Unpermute.apply(y, idx, num_rows, top_k, probs)
+    return _apply_unpermute(y, idx, num_rows, top_k, probs)
+
+
+def _combine_grads(dout, y, idx, probs, num_rows, top_k):
+    if not eager(dout, y, idx, probs):
+        return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
+    if needs_autograd(dout, y, probs):
+        return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
+    return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public functions: the core's argument checks, then the ops.
-
-
-def _check_rows(name: str, x) -> None:
-    check_tensor(name, x)
-    check_rows(name, dtype_name(x.dtype), tuple(x.shape))
-    check_device(name, x)
-
-
-def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
-    check_tensor(name, idx)
-    check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
-    check_device(name, idx, like=like)
-
-
-def _check_unpermute(y, idx, num_rows) -> None:
-    _check_rows("y", y)
-    _check_index("permuted_indices", idx, like=y)
-    check_int("num_rows", num_rows)
-    check_unpermute(tuple(y.shape), tuple(idx.shape))
+# Public functions: scalars as Python ints at the door (before any cache lookup: np.int64(8) == 8, see
+# xkern.launch.check_int), the host-synced checks of validate=True, then the call paths above.
 
 
 def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_rank: int, num_ranks: int,
@@ -458,16 +385,15 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     `validate=True` (one host sync) that, or a negative count, is a ValueError. alignment must be >= 1.
     """
     counts = tokens_per_expert_group
-    # Scalars as Python ints before any cache lookup (np.int64(8) == 8: see xkern.launch.check_int).
     experts_per_rank, num_ranks, max_len, alignment = layout_ints(experts_per_rank, num_ranks, max_len, alignment)
     if validate:
         _check_index("tokens_per_expert_group", counts)
         e, _, m, a = check_layout(counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
         check_counts(counts.detach().cpu().numpy(), e, a, m)
-    if eager(counts):  # checked on the first call of each signature
-        key = ("generate", counts.shape, counts.dtype, counts.device, experts_per_rank, num_ranks, max_len, alignment)
-        ex = _cached(key, lambda: _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment))
-        return tuple(ex(counts.contiguous()))
+    if eager(counts):
+        key = ("generate", signature(counts), experts_per_rank, num_ranks, max_len, alignment)
+        ex = cached(key, _generate_executor, counts, experts_per_rank, num_ranks, max_len, alignment)
+        return tuple(ex.run(counts.contiguous()))
     _check_index("tokens_per_expert_group", counts)
     experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
                                                                    max_len, alignment)
@@ -491,26 +417,22 @@ def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool
     """
     if top_k != 1 or type(top_k) is not int:  # the plain call pays one compare
         top_k = check_top_k(top_k)
-        if top_k != 1:
-            return _permute_token_rows(x, permuted_indices, validate, top_k)
     if validate:
-        _check_rows("x", x)
-        _check_index("permuted_indices", permuted_indices, like=x)
-        check_permutation(permuted_indices.detach().cpu().numpy(), x.shape[0])
-    return _permute(x, permuted_indices)
+        _check_permute(x, permuted_indices)
+        check_permutation(permuted_indices.detach().cpu().numpy(), x.shape[0] * top_k, complete=top_k == 1)
+    return _permute(x, permuted_indices, top_k)
 
 
 def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate: bool = False) -> torch.Tensor:
     """`inv[permuted_indices[i]] = i` for valid slots, -1 for rows no slot names: [num_rows], the
     index dtype. With duplicates (validate=False) one of the slots wins."""
     idx = permuted_indices
-    num_rows = check_int("num_rows", num_rows)  # an int before any cache lookup
+    num_rows = check_int("num_rows", num_rows)
     if validate:
         _check_index("permuted_indices", idx)
         check_permutation(idx.detach().cpu().numpy(), num_rows)
-    if eager(idx):  # checked on the first call of each signature
-        key = ("inverse", idx.shape, idx.dtype, idx.device, num_rows)
-        return _cached(key, lambda: _inverse_executor(idx, num_rows))(idx.contiguous())[0]
+    if eager(idx):
+        return cached(("inverse", signature(idx), num_rows), _inverse_executor, idx, num_rows).run(idx.contiguous())[0]
     _check_index("permuted_indices", idx)
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)
 
@@ -526,32 +448,10 @@ def unpermute_rows(y: torch.Tensor, permuted_indices: torch.Tensor, num_rows: in
     or 1), accumulated in FP32 in j order and rounded once to y's dtype; dropped copies add 0. Gradients:
     dy[slot] = p[t, j] * dout[t] rounded to y's dtype, dprobs[t, j] = sum_h y[slot, h] * dout[t, h] in FP32,
     in probs' dtype (0 for dropped copies); one kernel, no atomics. `validate=True` allows dropped copies."""
-    num_rows = check_int("num_rows", num_rows)  # an int before any cache lookup
-    if top_k != 1 or type(top_k) is not int or probs is not None:
+    num_rows = check_int("num_rows", num_rows)
+    if top_k != 1 or type(top_k) is not int:  # the plain call pays one compare
         top_k = check_top_k(top_k)
-        if top_k != 1 or probs is not None:
-            return _combine_rows(y, permuted_indices, num_rows, validate, top_k, probs)
-    if validate:
-        _check_unpermute(y, permuted_indices, num_rows)
-        check_permutation(permuted_indices.detach().cpu().numpy(), num_rows)
-    return _unpermute(y, permuted_indices, num_rows)
-
-
-def _permute_token_rows(x, idx, validate: bool, top_k: int) -> torch.Tensor:
-    _check_rows("x", x)
-    _check_index("permuted_indices", idx, like=x)
-    if validate:
-        check_permutation(idx.detach().cpu().numpy(), x.shape[0] * top_k, complete=False)
-    return _permute_tokens(x, idx, top_k)
-
-
-def _combine_rows(y, idx, num_rows, validate: bool, top_k: int, probs) -> torch.Tensor:
-    _check_unpermute(y, idx, num_rows)
-    check_top_k(top_k, num_rows)
-    if probs is not None:
-        check_tensor("probs", probs)
-        check_probs(dtype_name(probs.dtype), tuple(probs.shape), num_rows, top_k)
-        check_device("probs", probs, like=y)
-    if validate:
-        check_permutation(idx.detach().cpu().numpy(), num_rows, complete=False)
-    return _combine(y, idx, num_rows, top_k, probs)
+    if validate:  # the top_k forms allow dropped copies (rows no slot names)
+        _check_unpermute(y, permuted_indices, num_rows, top_k, probs)
+        check_permutation(permuted_indices.detach().cpu().numpy(), num_rows, complete=top_k == 1 and probs is None)
+    return _unpermute(y, permuted_indices, num_rows, top_k, probs)

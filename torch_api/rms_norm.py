@@ -1,4 +1,5 @@
-"""RMSNorm for PyTorch: `rms_norm`, the `RMSNorm` module, and the `xkern::rms_norm_*` ops behind them.
+"""RMSNorm for PyTorch: `rms_norm` and the `xkern::rms_norm_*` ops behind it (the `RMSNorm` module, which
+also takes a residual, is in `torch_api/add_rms_norm.py`).
 
 Eager calls on plain CUDA tensors launch the kernels directly (an `Executor` cached per call signature,
 autograd through `_RMSNormFunction`, forward-mode AD through its `jvp`). Everything else — torch.compile,
@@ -16,19 +17,26 @@ import torch
 
 from torch_api._launch import (
     Executor,
+    aligned_weight,
+    cached,
     check_device,
     check_tensor,
     dtype_name,
+    dtype_or_none,
     eager,
     fast_apply,
+    flat_weight,
     forward_mode,
     functorch_active,
     needs_autograd,
+    readable,
     register_op,
+    rows_layout,
     rows_view,
     run_recipe,
+    signature,
 )
-from xkern.launch import check_float, row_align
+from xkern.launch import check_float
 from xkern.rms_norm import check_rms_norm, check_variant, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
@@ -46,23 +54,6 @@ def _check(x, weight, eps, variant) -> str:
     return variant
 
 
-def _flat_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
-    # Kernels read the weight as contiguous: one copy for strided or expanded weights.
-    return weight if weight is None or weight.stride(0) == 1 or weight.shape[0] <= 1 else weight.contiguous()
-
-
-def _aligned_weight(weight: torch.Tensor | None) -> torch.Tensor | None:
-    """The weight as the eager path reads it: contiguous and 16-byte aligned (see `_in_place`)."""
-    if weight is None:
-        return None
-    weight = _flat_weight(weight)
-    return weight if weight.data_ptr() & 15 == 0 else weight.clone()
-
-
-def _w_dtype(weight) -> str | None:
-    return None if weight is None else dtype_name(weight.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Registered ops: torch.compile, export, DTensor, fake tensors.
 
@@ -72,9 +63,9 @@ def _w_dtype(weight) -> str | None:
 def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     x2 = rows_view(x)
     # int(): the plan depends on the shape, so a compiled graph specializes on it (guards, no symbols).
-    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), _w_dtype(weight),
+    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), dtype_or_none(weight),
                                  int(x2.stride(0)), variant)
-    (y,) = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight))
+    (y,) = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight))
     return y.view(x.shape)
 
 
@@ -83,9 +74,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
                  eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """dx, and dw (of shape [0] without a weight: an op returns no None)."""
     x2, dy2 = rows_view(x), rows_view(dy)
-    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), _w_dtype(weight),
+    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), dtype_or_none(weight),
                                  int(x2.stride(0)), int(dy2.stride(0)), variant=variant)
-    dx, dw = run_recipe(recipe, x.device, x=x2, w=_flat_weight(weight), dy=dy2)
+    dx, dw = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight), dy=dy2)
     return dx.view(x.shape), dw.view(-1)
 
 
@@ -105,111 +96,79 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Eager: executors cached per call signature (validated once, on the first call of each).
-
-
-def _rows(t: torch.Tensor) -> tuple[bool, int]:
-    """Whether the eager path copies `t` (contiguous) rather than reading it in place, and the row stride it
-    then reads. In place: rows that collapse to one row stride with the alignment of a contiguous array's
-    (JAX's layout: another ROW_ALIGN would compile another binary, with other sum orders)."""
-    t2 = rows_view(t)
-    n_cols = t.shape[-1]
-    copy = t.numel() > 0 and (t2.data_ptr() != t.data_ptr() or row_align(n_cols, t2.stride(0)) != row_align(n_cols))
-    return copy, n_cols if copy else t2.stride(0)
-
-
-def _in_place(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    """`t` as the kernels read it: a contiguous copy, or t itself at a 16-byte-aligned address (as JAX's
-    buffers always are; Triton compiles misaligned pointers to another binary), else an aligned copy with
-    t's strides."""
-    if copy:
-        return t.contiguous() if t.data_ptr() & 15 == 0 else t.clone(memory_format=torch.contiguous_format)
-    if t.data_ptr() & 15 == 0:
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+# Eager: executors cached per call signature (`torch_api._launch.cached`: checked once, on a miss).
 
 
 class _Forward:
+    """The forward's executor for one call signature, built (and the arguments checked) on a cache miss."""
+
     def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = _check(x, weight, eps, variant)
-        self.copy_x, x_row_stride = _rows(x)
-        self.flat_w = weight is None or _flat_weight(weight) is weight
+        self.copy_x, x_row_stride = rows_layout(x)
+        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
-                                     _w_dtype(weight), x_row_stride, variant)
+                                     dtype_or_none(weight), x_row_stride, variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self.copy_x or x.data_ptr() & 15:
-            x = _in_place(x, self.copy_x)
+            x = readable(x, self.copy_x)
         if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = _aligned_weight(weight)
-        return self.run(x, weight)[0]
+            weight = aligned_weight(weight)
+        return self.run.run(x, weight)[0]
 
 
 class _Backward:
+    """The backward's executor for one call signature (dx, and dw or None)."""
+
     def __init__(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = check_variant(variant, weight is not None)
-        (self.copy_x, x_row_stride), (self.copy_dy, dy_row_stride) = _rows(x), _rows(dy)
+        (self.copy_x, x_row_stride), (self.copy_dy, dy_row_stride) = rows_layout(x), rows_layout(dy)
         self.weighted = weight is not None
-        self.flat_w = weight is None or _flat_weight(weight) is weight
+        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = rms_norm_bwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
-                                     _w_dtype(weight), x_row_stride, dy_row_stride, variant=variant)
+                                     dtype_or_none(weight), x_row_stride, dy_row_stride, variant=variant)
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
 
     def __call__(self, dy, x, weight):
         if self.copy_x or x.data_ptr() & 15:
-            x = _in_place(x, self.copy_x)
+            x = readable(x, self.copy_x)
         if self.copy_dy or dy.data_ptr() & 15:
-            dy = _in_place(dy, self.copy_dy)
+            dy = readable(dy, self.copy_dy)
         if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = _aligned_weight(weight)
-        dx, dw = self.run(x, weight, dy)
+            weight = aligned_weight(weight)
+        dx, dw = self.run.run(x, weight, dy)
         return dx, dw if self.weighted else None
 
 
-# Executors by call signature. The key holds everything the checks and the plan read (the weight's device,
-# eps's type: a cached call skips the checks, and True == 1).
-_FORWARDS: dict = {}
-_BACKWARDS: dict = {}
-
-
-def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps, variant="llama") -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.device, eps, type(eps), variant) if weight is None else \
-        (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps,
-         type(eps), variant)
-    try:
-        fwd = _FORWARDS.get(key)
-    except TypeError:  # an unhashable eps or variant: the checks name it
-        fwd = None
-    if fwd is None:
-        fwd = _FORWARDS[key] = _Forward(x, weight, eps, variant)
-    return fwd(x, weight)
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant="llama") -> torch.Tensor:
+    # eps is a float here (rms_norm's check_float): the key's eps compares and hashes as the plan reads it.
+    key = ("rms_norm_fwd", signature(x), signature(weight), eps, variant)
+    return cached(key, _Forward, x, weight, eps, variant)(x, weight)
 
 
 def _backward_direct(dy, x, weight, eps, variant):
-    key = (x.shape, x.stride(), x.dtype, x.device, dy.stride(), dy.dtype, eps, variant) if weight is None else \
-        (x.shape, x.stride(), x.dtype, x.device, dy.stride(), dy.dtype, weight.shape, weight.stride(), weight.dtype,
-         eps, variant)
-    bwd = _BACKWARDS.get(key)
-    if bwd is None:
-        bwd = _BACKWARDS[key] = _Backward(dy, x, weight, eps, variant)
-    return bwd(dy, x, weight)
+    key = ("rms_norm_bwd", signature(dy), signature(x), signature(weight), eps, variant)
+    return cached(key, _Backward, dy, x, weight, eps, variant)(dy, x, weight)
 
 
-def reference_math(x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str = "llama") -> torch.Tensor:
-    """The variant's eager expression in torch ops, as Hugging Face's modules compute it (`normed` in fp32):
-    llama `w * normed.to(x.dtype)`, gemma `(normed * (1 + w.float())).to(x.dtype)`, olmo2
-    `(w * normed).to(x.dtype)`, no weight `normed.to(x.dtype)`. xkern's forward-mode tangents and second
-    derivatives are this expression's (the kernels give the first derivatives)."""
+def reference_math(x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str = "llama",
+                   normed_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The variant's eager expression in torch ops, as Hugging Face's modules compute it (`normed` in fp32,
+    rounded to `normed_dtype`, default x's dtype): llama `w * normed.to(dt)`, gemma `(normed * (1 +
+    w.float())).to(dt)`, olmo2 `(w * normed).to(dt)`, no weight `normed.to(dt)`. xkern's forward-mode tangents
+    and second derivatives are this expression's (the kernels give the first derivatives); with
+    `normed_dtype`, the fused add's y from a residual_out `x` of another dtype than its input's."""
+    dt = x.dtype if normed_dtype is None else normed_dtype
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None or variant == "none":
-        return normed.to(x.dtype)
+        return normed.to(dt)
     if variant == "llama":
-        return weight * normed.to(x.dtype)
+        return weight * normed.to(dt)
     if variant == "gemma":
-        return (normed * (1.0 + weight.float())).to(x.dtype)
-    return (weight * normed).to(x.dtype)
+        return (normed * (1.0 + weight.float())).to(dt)
+    return (weight * normed).to(dt)
 
 
 def _tangent(x, weight, eps, variant, tx, tw):
@@ -350,35 +309,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
         return _RMSNormFunction.apply(x, weight, eps, variant)
     variant = _check(x, weight, eps, variant)
     return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
-
-
-class RMSNorm(torch.nn.Module):
-    """Drop-in Hugging Face-style RMSNorm module: `weight` and `eps`, forward = `rms_norm`.
-
-    variant: as `rms_norm`'s; the weight starts at ones, or zeros for "gemma" (whose scale is `1 + w`), so a
-    fresh module is the identity scale. weight=False: no weight parameter (`normed.to(x.dtype)`)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, variant: str = "llama",
-                 weight: bool = True):
-        super().__init__()
-        self.variant = variant
-        check_variant(variant, weight)
-        init = torch.zeros if variant == "gemma" else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype)) if weight else None
-        self.variance_epsilon = eps
-
-    @property
-    def eps(self) -> float:
-        return self.variance_epsilon
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """`rms_norm(x)`; with a residual, `add_rms_norm(x, residual)`: (y, residual_out)."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
-        from torch_api.add_rms_norm import add_rms_norm  # (that module imports this one)
-
-        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, variant=self.variant)
-
-    def extra_repr(self) -> str:
-        shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else "no weight, "
-        return f"{shape}eps={self.variance_epsilon}" + (f", variant={self.variant}" if self.variant != "llama" else "")

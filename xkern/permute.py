@@ -540,9 +540,18 @@ def check_index(name: str, dtype: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {list(shape)}")
 
 
-def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...]) -> None:
+def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...], num_rows: int | None = None, top_k=1,
+                    probs_dtype: str | None = None, probs_shape: tuple[int, ...] | None = None) -> int:
+    """y has one row per slot; with `num_rows`, the combine's top_k (a divisor of it) and probs (dtype name and
+    shape, or None) too. Returns top_k as an int."""
     if idx_shape[0] != y_shape[0]:
         raise ValueError(f"y must have one row per slot of permuted_indices ({idx_shape[0]}), got {y_shape[0]}")
+    if num_rows is None:
+        return check_top_k(top_k)
+    top_k = check_top_k(top_k, num_rows)
+    if probs_dtype is not None:
+        check_probs(probs_dtype, probs_shape, num_rows, top_k)
+    return top_k
 
 
 def layout_ints(experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, int, int, int]:
@@ -646,10 +655,16 @@ def inverse_recipe(n_slots: int, num_rows: int, index_dtype: str) -> Recipe:
 @functools.lru_cache(maxsize=4096, typed=True)
 def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_row_stride: int,
                      index_dtype: str, top_k: int = 1, probs_dtype: str | None = None) -> Recipe:
-    """Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx [n_slots]; result out [num_rows,
-    n_cols]: the raw scatter of the inverse permutation, then the gather through it (settled there); or,
-    when `one_launch(n_slots)`, one launch. With top_k > 1 or probs (input probs [num_rows], flat), the
-    weighted combine: out [num_rows // top_k, n_cols], the raw scatter then `_combine_rows_kernel`."""
+    """Every form of unpermute_rows, chosen here and nowhere else (the front ends call this one entry):
+
+    - top_k == 1, no probs: the gather. Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx
+      [n_slots]; result out [num_rows, n_cols]: the raw scatter of the inverse permutation, then the gather
+      through it (settled there); or, when `one_launch(n_slots)`, one launch.
+    - top_k > 1, no probs (probs_dtype None): the copy-sum, out [num_rows // top_k, n_cols], each token's
+      top_k copies summed in FP32.
+    - probs (probs_dtype given, input probs [num_rows], flat): the weighted combine, out [num_rows // top_k,
+      n_cols]. Both: the raw scatter, then `_combine_rows_kernel`.
+    The backward: `permute_recipe(..., top_k)` without probs (dy only), `combine_bwd_recipe` with them."""
     check_gather_sizes(n_slots, num_rows)
     if top_k > 1 or probs_dtype is not None:
         return _combine_recipe(n_slots, n_cols, num_rows, dtype, src_row_stride, index_dtype, top_k, probs_dtype)
