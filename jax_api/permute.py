@@ -366,14 +366,17 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     _check_rows("y", y)
     _check_index("permuted_indices", permuted_indices, like=y)
     num_rows = check_int("num_rows", num_rows)
-    contract.check_unpermute(tuple(y.shape), tuple(permuted_indices.shape))
-    top_k = contract.check_top_k(top_k, num_rows)
     if probs is not None:
         check_array("probs", probs)
-        contract.check_probs(probs.dtype.name, tuple(probs.shape), num_rows, top_k)
+    top_k = contract.check_unpermute(tuple(y.shape), tuple(permuted_indices.shape), num_rows, top_k,
+                                     None if probs is None else probs.dtype.name,
+                                     None if probs is None else tuple(probs.shape))
     if validate:  # the top_k forms allow dropped copies (rows no slot names)
         contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows,
                                    complete=top_k == 1 and probs is None)
+    # The forward's kernels are the core's choice (`unpermute_recipe`, in `_combine_kernel`); what differs
+    # here is the autodiff glue: the combine's backward also gives dprobs, the copy-sum's is the dispatch.
+    # The plain form runs as inverse + gather: its rows then partition like any gather (jax_api/sharding.py).
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:

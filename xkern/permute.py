@@ -558,6 +558,8 @@ def layout_ints(experts_per_rank, num_ranks, max_len, alignment) -> tuple[int, i
     """generate_permute_indices' integer arguments as Python ints (`check_int`: the front ends' door)."""
     return (check_int("experts_per_rank", experts_per_rank, 1), check_int("num_ranks", num_ranks, 1),
             check_int("max_len", max_len), check_int("alignment", alignment, 1))
+
+
 def check_top_k(top_k, num_rows: int | None = None) -> int:
     """top_k as an int >= 1; with `num_rows` (unpermute_rows' routed copies), a multiple of it."""
     top_k = check_int("top_k", top_k, 1)
