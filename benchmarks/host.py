@@ -162,13 +162,13 @@ def _gather_entries(device: str):
         return inv
 
     yield "permute_rows", "fwd", "xkern (torch)", shape, functools.partial(tp.permute_rows, x, idx)
-    yield "permute_rows", "fwd", "previous (vstack + index)", shape, functools.partial(P.prev_permute, x, idx,
+    yield "permute_rows", "fwd", "torchtitan (vstack + index)", shape, functools.partial(P.prev_permute, x, idx,
                                                                                         idx64, inv64)
     yield "permute_rows", "fwd", "index_select (no zero rows)", shape, functools.partial(
         x.index_select, 0, idx64.clamp(min=0))
     yield "unpermute_rows", "fwd", "xkern (torch)", shape, functools.partial(tp.unpermute_rows, y, idx, n)
     yield "unpermute_rows", "fwd", "index_select", shape, functools.partial(y.index_select, 0, inv64)
-    yield "unpermute_rows", "fwd", "previous (zeros + index_put)", shape, functools.partial(
+    yield "unpermute_rows", "fwd", "torchtitan (zeros + index_put)", shape, functools.partial(
         P.prev_unpermute, y, idx, idx64, inv64)
     yield "inverse_permutation", "fwd", "xkern (torch)", shape, functools.partial(tp.inverse_permutation, idx, n)
     yield "inverse_permutation", "fwd", "torch (full + index_put)", shape, index_put_inverse

@@ -234,7 +234,7 @@ def run(args) -> int:
         if not mode.startswith("host"):
             results["sharded"] = sharded.sharded_table(device, table_log)
             release()
-    if args.only == "add_rms_norm":  # its own run: with the main cases it passes one device call's 10 minutes
+    if args.only == "add_rms_norm":  # its own run: with the main cases the run takes over 10 minutes
         from benchmarks.add_rms_norm import add_rms_norm_table
 
         results["add_rms_norm"] = add_rms_norm_table(device, ceiling, log)
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-host", action="store_true",
                         help="the cases only: no host, block or sharded table (measured in another part or run)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep or the main job over "
-                        "processes or device calls; with --no-host after the first)")
+                        "processes or runs; with --no-host after the first)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
     parser.add_argument("--moe", action="store_true", help="the MoE layer step instead (benchmarks/moe_layer.py)")

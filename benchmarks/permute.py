@@ -84,9 +84,9 @@ def torch_impls(case: Case) -> dict:
     n = case.info["rows"]
     if case.op == "permute_rows":
         return {"xkern (torch)": lambda x, idx, *_: tp.permute_rows(x, idx),
-                "previous (vstack + index)": prev_permute}
+                "torchtitan (vstack + index)": prev_permute}
     return {"xkern (torch)": lambda y, idx, *_: tp.unpermute_rows(y, idx, n),
-            "previous (zeros + index_put)": prev_unpermute, "index_select": index_select_unpermute}
+            "torchtitan (zeros + index_put)": prev_unpermute, "index_select": index_select_unpermute}
 
 
 def jax_impls(case: Case) -> dict:

@@ -30,6 +30,9 @@ PEERS = {
     "index_select": "torch.index_select of the rows",
     "jnp.take": "jnp.take of the rows",
     "jnp.take + mask": "jnp.take, padding rows masked to zero",
+    "torchtitan (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
+    "torchtitan (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
+    # The same two peers' labels in result sets measured before they were named after torchtitan:
     "previous (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
     "previous (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
 }

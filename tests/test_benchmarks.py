@@ -130,7 +130,7 @@ def test_kernels_empty_swaps_every_launch_and_restores():
 @pytest.mark.slow  # the smoke run above covers the host tables; this, `--host` alone
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
 def test_host_tables_alone(tmp_path):
-    """`--host`: the host-cost and block tables only (a short device call after a call-path change)."""
+    """`--host`: the host-cost and block tables only (a short GPU run after a call-path change)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.main", "--host", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -277,7 +277,7 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
 
 def test_plan_probe_sets_build_their_launches():
     """Every candidate of every `plan_probe` set builds a launch at its case's shape (a set that fails only on
-    the GPU machine costs a device call); the row-backward rules cover every width up to 6 x 4096 in blocks
+    the GPU machine costs a GPU run); the row-backward rules cover every width up to 6 x 4096 in blocks
     that leave at most 1/8 masked (a power of two otherwise) and at most 32 warps."""
     from tools import plan_probe
 

@@ -1,4 +1,4 @@
-"""Issue 16, one test per item: what a hostile user tried, each a wrong answer, an out-of-bounds read or an
+"""One test per item: what a hostile user tried, each a wrong answer, an out-of-bounds read or an
 error that did not name the argument. Results are judged by the FP64 oracle (xkern/reference.py) or by
 eager PyTorch; torch_api and jax_api must agree bit for bit where both take the input.
 
@@ -210,7 +210,7 @@ def test_4_width_zero(dtype):
 # 5. eps of the wrong type: a TypeError that names eps.
 
 
-# 0-d tensors and arrays too (`float()` would take them; issue 32), and bools
+# 0-d tensors and arrays too (`float()` would take them), and bools
 @pytest.mark.parametrize("eps", ["1e-6", None, [1e-6], torch.tensor(1e-6), np.array(1e-6), jnp.array(1e-6),
                                  np.bool_(False), False], ids=repr)
 def test_5_eps_wrong_type(eps):
