@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
 from jax_api.sharding import _bwd_width_sharded, _dims, _factors, _fwd_width_sharded, _local, _named, _partitioned
-from xkern.rms_norm import (
+from xkern.add_rms_norm import (
     add_rms_norm_bwd_recipe,
     add_rms_norm_fwd_recipe,
     add_width_sharded_ok,

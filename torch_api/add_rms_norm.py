@@ -35,7 +35,7 @@ from torch_api._launch import (
     run_recipe,
 )
 from torch_api.rms_norm import _aligned_weight, _flat_weight, _w_dtype, rms_norm
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
+from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
 
 
 def _check(x, residual, weight, eps, variant, residual_dtype) -> tuple[str, str]:
