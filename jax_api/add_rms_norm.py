@@ -31,7 +31,7 @@ from jax_api.sharding import (
     partitioned,
     per_shard,
 )
-from xkern.rms_norm import (
+from xkern.add_rms_norm import (
     add_rms_norm_bwd_recipe,
     add_rms_norm_fwd_recipe,
     add_width_sharded_ok,

@@ -23,7 +23,7 @@ import jax_api
 import torch_api
 import torch_api._launch as tl_launch
 from xkern import reference as R
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
+from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
 
 EPS = 1e-6
 

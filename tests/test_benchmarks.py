@@ -250,7 +250,7 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     results close to the plan's), and the plan is back in place afterwards."""
     from benchmarks import timing
     from tools import plan_probe
-    from xkern import rms_norm as XR
+    from xkern.rms_norm import recipes as XR
 
     timing.set_smoke(True)
     try:

@@ -159,7 +159,7 @@ def _child() -> None:
             compare(rows, n, "bfloat16", "float32" if variant == "olmo2" else "bfloat16", variant)
     # The fused residual add: every recipe step of the forward and of the backward with residual_out's gradient
     # (JAX always passes one), equal 16-bit dtypes and an fp32 residual stream.
-    from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
+    from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
 
     def recipe_ptx(recipe, env) -> dict:
         env, out = dict(env), {}

@@ -432,7 +432,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.slow
 def test_four_byte_elements_take_the_chunked_forward_above_32768():
     """A 4-byte x or w would spill in the row kernel at 65536: the plan chunks it, and both paths agree."""
-    from xkern.rms_norm import _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
+    from xkern.rms_norm.kernels import _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
 
     assert plan_rms_norm_fwd(2, 40000, EPS).kernel is _rms_norm_fwd_row_kernel
     assert plan_rms_norm_fwd(2, 40000, EPS, (), 4).kernel is _rms_norm_fwd_chunked_kernel
@@ -474,7 +474,8 @@ def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, nu
     two persistent programs over five rows: the candidates `tools.plan_probe --set bwd-row` times, checked
     against the oracle on NaN-poisoned outputs before GPU time decides them; re-reading w gives the same bits."""
     from xkern.launch import Launch
-    from xkern.rms_norm import _rms_norm_bwd_row_kernel, plan_dw_reduce
+    from xkern.rms_norm import plan_dw_reduce
+    from xkern.rms_norm.kernels import _rms_norm_bwd_row_kernel
 
     rows, programs = 5, 2
     x, w, dy = (None if a is None else to_torch(a) for a in _inputs(_rng("bwd row", width), (rows, width),
@@ -523,50 +524,49 @@ def test_split_rows_cover_every_width_within_the_register_budget():
             assert n & (n - 1) or split == 1, (n, plan)
 
 
-def test_plans_follow_one_rule_per_regime():
-    """The regimes docs/design.md states in a sentence each, at every width from 1 to 70000: which kernel,
-    how many rows a program takes, its warps and programs per SM (a rule, not a table of shapes)."""
-    from xkern import rms_norm as K
-
-    for n in range(1, 70001):
-        fwd, fwd4, bwd = (K.plan_rms_norm_fwd(4096, n, EPS), K.plan_rms_norm_fwd(4096, n, EPS, (), 4),
-                          K.plan_rms_norm_bwd(4096, n, EPS))
-        name = fwd.kernel.fn.__name__
-        if n > 65536:
-            assert name == "_rms_norm_fwd_chunked_kernel" and fwd.grid == (K.NUM_SMS,), n
-        elif n >= K.FWD_TILE_BELOW:
-            assert name == "_rms_norm_fwd_row_kernel" and fwd.grid == (4096,), n
-        else:
-            assert name == "_rms_norm_fwd_kernel" and fwd.constexprs["BLOCK_M"] * fwd.constexprs["BLOCK_N"] == (
-                1024 if n <= 64 else 2048), n
-        assert (fwd4.kernel.fn.__name__ == "_rms_norm_fwd_chunked_kernel") == (n > 32768), n
-        name, c = bwd.bwd.kernel.fn.__name__, bwd.bwd.constexprs
-        if n > 16384:
-            assert bwd.stats is not None and name == "_rms_norm_bwd_cols_kernel", n
-        elif n > 12288:
-            assert name == "_rms_norm_bwd_row_kernel" and bwd.bwd.num_warps == 16 and bwd.n_partials == K.NUM_SMS
-        else:
-            assert bwd.stats is None and name in ("_rms_norm_bwd_kernel", "_rms_norm_bwd_split_kernel"), n
-            # 257 and wider: one row per tile, 8192 elements of row per SM (one program at 8192 and wider),
-            # but 2049-3072: four programs of 3 x 1024
-            if n > 256:
-                padded = c["BLOCK_N"] * c.get("SPLIT", 1)
-                per_sm = 4 * 3072 if 2048 < n <= 3072 else max(8192, padded)
-                assert c["BLOCK_M"] == 1 and bwd.n_partials * padded == K.NUM_SMS * per_sm, n
+# Both sides of every regime boundary of the plans (docs/design.md): the forward's tiles of 1024 | 2048 elements
+# (64 | 65) and its tiles | one row per program (767 | 768); the backward's narrow tiles | one-row tiles
+# (256 | 257), its power-of-two blocks | three blocks of 1024 (2048 | 2049, 3072 | 3073) | three of 4096
+# (8192 | 8193), its tile kernels | row kernel (12288 | 12289) | statistics and a column split (16384 | 16385).
+# From 8192 they are slow tests (the default tier runs 9000, 13000 and 20000 in test_wide_rows_and_chunked_paths),
+# as are the widest forward boundaries (chunked above 65536, or above 32768 with 4-byte elements:
+# test_wide_rows_and_chunked_paths, test_four_byte_elements_take_the_chunked_forward_above_32768).
+BOUNDARIES = [64, 65, 767, 768, 256, 257, 2048, 2049, 3072, 3073,
+              *(pytest.param(n, marks=SLOW) for n in (8192, 8193, 12288, 12289, 16384, 16385))]
 
 
-def test_forward_reads_x_twice_where_the_sweep_measured_it_faster():
-    """The forward's rule for reading x a second time (docs/benchmarks.md, entries 7 and 19): rows of three
-    SPLIT blocks, and rows in one block of 4096, 8192, 32768 or 65536 (padded); no other row-kernel width."""
-    for n in range(768, 65537, 64):
-        plan = plan_rms_norm_fwd(64, n, EPS)
-        if plan.kernel.fn.__name__ != "_rms_norm_fwd_row_kernel":
-            continue
-        split = plan.constexprs["SPLIT"]
-        expected = split == 3 if split > 1 else plan.constexprs["BLOCK_N"] in (4096, 8192, 32768, 65536)
-        assert plan.constexprs["RELOAD"] == expected, (n, plan)
-    assert [plan_rms_norm_fwd(64, n, EPS).constexprs["RELOAD"] for n in (1536, 3072, 6144, 12288, 5120, 14336)] == [
-        True, True, True, True, False, False]
+@pytest.mark.parametrize("width", BOUNDARIES)
+def test_regime_boundaries_match_the_oracle(width):
+    """Each side of each boundary where the plans change kernel, tile or split: forward and backward against
+    the oracle on NaN-poisoned outputs (rows: a partial tile of the narrow tiles, and more than one row per
+    persistent program of the wide kernels' smallest grid of 2)."""
+    rows = 33 if width <= 256 else 3
+    x, w, dy = _inputs(_rng("boundary", width), (rows, width), "bfloat16")
+    _check_all(x, w, dy, EPS, *_torch_run(x, w, dy, EPS))
+
+
+def test_launch_counts():
+    """Launches per call at widths from 1 to 70000 (docs/design.md's contract; the plans may change kernel,
+    tile or split freely): the forward one; the backward two (the joint backward, then the dw reduction) up
+    to MAX_BWD_BLOCK wide and three above (a statistics pass first); without a weight no reduction; an empty
+    input none. Row and column counts past the kernels' int32 numbering raise, naming x."""
+    from xkern.rms_norm import MAX_BWD_BLOCK, rms_norm_bwd_recipe, rms_norm_fwd_recipe
+
+    def launches(recipe):
+        return sum(step.launch is not None for step in recipe.steps)
+
+    for n in [*range(1, 70001, 37), MAX_BWD_BLOCK, MAX_BWD_BLOCK + 1]:
+        stats = n > MAX_BWD_BLOCK
+        assert launches(rms_norm_fwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 1, n
+        assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 2 + stats, n
+        assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", None, variant="none")) == 1 + stats, n
+    for rows, cols in ((0, 64), (8, 0)):
+        assert launches(rms_norm_fwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16")) == 0
+        assert launches(rms_norm_bwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16")) == 0
+    for rows, cols in ((2**31, 64), (1, 2**31)):
+        for recipe in (rms_norm_fwd_recipe, rms_norm_bwd_recipe):
+            with pytest.raises(ValueError, match="x has"):
+                recipe(rows, cols, EPS, "bfloat16", "bfloat16")
 
 
 def test_eager_training_step_takes_the_direct_path(monkeypatch):

@@ -29,19 +29,19 @@ REGIMES = {"one launch": (1 << 30, None), "one launch, 16-row searches": (1 << 3
 def regime(slots_limit: int, search_rows: int | None = None):
     """Every index op planned with ONE_LAUNCH_SLOTS = `slots_limit` and SEARCH_ROWS = `search_rows` (None: the
     plan's), recipes and eager executors rebuilt."""
-    from torch_api import permute as TP
+    from torch_api._launch import executor_cache
     from xkern import permute as XP
 
     def clear():
         for recipe in (XP.inverse_recipe, XP.unpermute_recipe, XP.generate_recipe):
             recipe.cache_clear()
-        TP._EXECUTORS.clear()
 
     saved = XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS
     XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = slots_limit, search_rows or XP.SEARCH_ROWS
     clear()
     try:
-        yield
+        with executor_cache():  # executors built on this regime's plans, apart from the process's
+            yield
     finally:
         XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = saved
         clear()
@@ -66,24 +66,18 @@ def _calls(t: int, h: int, device: str) -> tuple[int, dict]:
 
 
 def _bound(op, executors: dict):
-    """`op` run with this regime's eager executors (torch_api.permute looks them up per call in _EXECUTORS)."""
-    from torch_api import permute as TP
+    """`op` run with this regime's eager executors."""
+    from torch_api._launch import executor_cache
 
     def call():
-        TP._EXECUTORS = executors
-        return op()
+        with executor_cache(executors):
+            return op()
 
     return call
 
 
 def measure(tokens: list[int], h: int, device: str, log=print) -> list[dict]:
-    from torch_api import permute as TP
-
-    saved = TP._EXECUTORS
-    try:
-        return [row for t in tokens for row in _measure_one(t, h, device, log)]
-    finally:
-        TP._EXECUTORS = saved
+    return [row for t in tokens for row in _measure_one(t, h, device, log)]
 
 
 def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
@@ -91,7 +85,7 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
 
     from benchmarks import timing
     from benchmarks.host import _sync
-    from torch_api import permute as TP
+    from torch_api._launch import executor_cache
 
     results, devices, calls, counts = {}, {}, {}, {}
     for name, (limit, search_rows) in REGIMES.items():
@@ -99,10 +93,10 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
             n_pad, ops = _calls(t, h, device)
             executors, counts[name], results[name] = {}, {}, {}
             for op, call in ops.items():  # each op's executors built alone, to count its launches
-                TP._EXECUTORS = {}
-                results[name][op] = call()
-                counts[name][op] = sum(ex.launches for ex in TP._EXECUTORS.values())
-                executors.update(TP._EXECUTORS)
+                with executor_cache() as built:
+                    results[name][op] = call()
+                counts[name][op] = sum(ex.launches for ex in built.values())
+                executors.update(built)
             bound = {op: _bound(call, executors) for op, call in ops.items()}
             devices[name] = {op: timing.torch_device_us(lambda call=call: [call], eager_fallback=False)[0]
                              for op, call in bound.items()}

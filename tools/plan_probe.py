@@ -19,11 +19,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 from benchmarks.rms_norm import SWEEP_WIDTHS as _SWEEP_WIDTHS
-from xkern import rms_norm as XR
 from xkern.launch import NUM_SMS, Launch, cdiv
+from xkern.rms_norm import BwdPlan, plan_dw_reduce, split_row
+from xkern.rms_norm import recipes as XR  # the recipes' module: where `_use` puts candidate plans
+from xkern.rms_norm.kernels import _rms_norm_bwd_row_kernel, _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
 
 PLAN_FWD, PLAN_BWD = XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd
 
@@ -35,7 +36,7 @@ def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * per_sm))
         bwd = dataclasses.replace(p.bwd, grid=(groups, n_batch), num_warps=num_warps,
                                   constexprs={**p.bwd.constexprs, "BLOCK_M": block_m, "PREFETCH": prefetch})
-        return XR.BwdPlan(None, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+        return BwdPlan(None, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
     return plan
 
 
@@ -45,9 +46,9 @@ def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool 
         c = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant).bwd.constexprs
         fixed = {"EPS": float(eps), **{k: c[k] for k in ("ROW_ALIGN", "ONE_COL", "VARIANT")}}
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
-        bwd = Launch(XR._rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
                      {**fixed, "BLOCK_N": block_n, "SPLIT": split, "HOLD_W": hold_w})
-        return XR.BwdPlan(None, bwd, XR.plan_dw_reduce(groups, n_cols, n_batch), groups)
+        return BwdPlan(None, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
     return plan
 
 
@@ -57,7 +58,7 @@ def bwd_row_rule(per_thread: int, sm_warps: int):
     most warps (up to 32) giving each thread at least `per_thread` elements of the row, programs per SM
     filling `sm_warps` warps, w held in registers below 32 warps (at 32 ptxas caps a thread at 64)."""
     def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
-        block, split = XR.split_row(n_cols, 4096, min_block=64, max_split=16)
+        block, split = split_row(n_cols, 4096, min_block=64, max_split=16)
         num_warps = min(32, 1 << max(0, (block * split // (32 * per_thread)).bit_length() - 1))
         return bwd_row(block, split, num_warps, max(1, sm_warps // num_warps), num_warps < 32)(
             n_rows, n_cols, eps, row_strides, n_batch, variant)
@@ -76,7 +77,7 @@ def fwd_split(block_n: int, split: int, num_warps: int, reload: bool = True):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         c = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant).constexprs
         fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
-        return Launch(XR._rms_norm_fwd_row_kernel, (n_rows,), num_warps,
+        return Launch(_rms_norm_fwd_row_kernel, (n_rows,), num_warps,
                       {**fixed, "BLOCK_N": block_n, "SPLIT": split, "RELOAD": reload})
     return plan
 
@@ -85,7 +86,7 @@ def fwd_chunked(programs: int, chunk: int, num_warps: int):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         c = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant).constexprs
         fixed = {k: c[k] for k in ("EPS", "ROW_ALIGN", "ONE_COL", "VARIANT")}
-        return Launch(XR._rms_norm_fwd_chunked_kernel, (min(n_rows, programs),), num_warps,
+        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, programs),), num_warps,
                       {**fixed, "BLOCK_N": chunk})
     return plan
 
@@ -100,24 +101,23 @@ def fwd_tile(block_m: int, num_warps: int):
 
 
 def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
-    """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of `_BWD_COLS_TILE`."""
+    """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of the rule's
+    (`plan_rms_norm_bwd(cols_tile=)`)."""
     def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
-        saved, XR._BWD_COLS_TILE = XR._BWD_COLS_TILE, (block_m, block_n, num_warps, programs)
-        try:
-            return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
-        finally:
-            XR._BWD_COLS_TILE = saved
+        return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant,
+                        cols_tile=(block_m, block_n, num_warps, programs))
     return plan
 
 
 def _use(fwd=None, bwd=None) -> None:
-    """These plans in xkern.rms_norm (None: the plan's), the recipes and torch executors built on them dropped."""
-    torch_rms = sys.modules["torch_api.rms_norm"]
+    """These plans in place of xkern's (None: the plan's) where the RMSNorm recipes take them, the recipes and torch
+    executors built on them dropped."""
+    from torch_api._launch import clear_executors
+
     XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd = fwd or PLAN_FWD, bwd or PLAN_BWD
     XR.rms_norm_fwd_recipe.cache_clear()
     XR.rms_norm_bwd_recipe.cache_clear()
-    torch_rms._FORWARDS.clear()
-    torch_rms._BACKWARDS.clear()
+    clear_executors()
 
 
 def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: str, log=print) -> list[dict]:

@@ -22,8 +22,8 @@ import tempfile
 import triton
 
 from benchmarks.rms_norm import SHAPES, SWEEP_ELEMS, SWEEP_WIDTHS
-from xkern import rms_norm as K
 from xkern.compile_check import TARGET, sass, source
+from xkern.rms_norm import plans as K
 
 PTRS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "DW_PARTIAL": "*fp32",
         "DW": "*bf16", "STATS": "*fp32"}

@@ -28,8 +28,9 @@ import torch
 
 from benchmarks import timing
 from benchmarks.rms_norm import EPS, SHAPES
-from xkern import rms_norm as K
 from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.rms_norm import kernels as KN
+from xkern.rms_norm import plans as K
 from xkern.testing import launch as launch_plan
 
 DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
@@ -61,14 +62,14 @@ def fwd_candidates(m, n):
     bn = next_pow2(n)
     out = []
     if n >= 32768:
-        out += [Launch(K._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
+        out += [Launch(KN._rms_norm_fwd_chunked_kernel, (min(m, g),), w, {**_fixed(n), "BLOCK_N": c})
                 for c in (4096, 8192, 16384) for w in (8, 16, 32) for g in (NUM_SMS, 2 * NUM_SMS, 4 * NUM_SMS, m)
                 if 8 <= c // (32 * w) <= 32]
     if bn > 256:  # the row kernel: SPLIT blocks of BLOCK_N per row (a power of two: one block)
-        out += [Launch(K._rms_norm_fwd_row_kernel, (m,), w,
+        out += [Launch(KN._rms_norm_fwd_row_kernel, (m,), w,
                        {**_fixed(n), "BLOCK_N": b, "SPLIT": cdiv(n, b), "RELOAD": reload})
                 for b, w in _split_blocks(n, 64) for reload in (False, True)]
-    out += [Launch(K._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
+    out += [Launch(KN._rms_norm_fwd_kernel, (cdiv(m, bm),), w, {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn})
             for bm in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16, 32)
             if 512 <= bm * bn <= 32768 and bn <= 2048 and 8 <= bm * bn // (32 * w) <= 32]
     return out
@@ -85,7 +86,7 @@ def bwd_candidates(m, n):
                 continue
             tiles = cdiv(m, bm)
             for ppsm in (1, 2, 4, 8, 16):
-                out += [Launch(K._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
+                out += [Launch(KN._rms_norm_bwd_kernel, (min(tiles, NUM_SMS * ppsm), 1), w,
                                {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": prefetch})
                         for prefetch in (True, False)]
                 if tiles <= NUM_SMS * ppsm:
@@ -98,7 +99,7 @@ def bwd_candidates(m, n):
                 for w in (1, 2, 4):
                     if not (2 <= bm * b // (32 * w) <= 16 and cdiv(n, b) * bm * b // (32 * w) <= 32):
                         continue
-                    out += [Launch(K._rms_norm_bwd_split_kernel, (min(cdiv(m, bm), NUM_SMS * ppsm), 1), w,
+                    out += [Launch(KN._rms_norm_bwd_split_kernel, (min(cdiv(m, bm), NUM_SMS * ppsm), 1), w,
                                    {**_fixed(n), "BLOCK_M": bm, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": True})
                             for ppsm in (2, 4, 8)]
     if n != bn and n >= 512:  # one row in SPLIT blocks of BLOCK_N
@@ -106,18 +107,18 @@ def bwd_candidates(m, n):
             if b == bn:
                 continue
             for ppsm in (1, 2, 4):
-                out += [Launch(K._rms_norm_bwd_split_kernel, (min(m, NUM_SMS * ppsm), 1), w,
+                out += [Launch(KN._rms_norm_bwd_split_kernel, (min(m, NUM_SMS * ppsm), 1), w,
                                {**_fixed(n), "BLOCK_M": 1, "BLOCK_N": b, "SPLIT": cdiv(n, b), "PREFETCH": prefetch})
                         for prefetch in (True, False)]
     if bn >= 4096:  # the row kernel (rows read twice)
-        out += [Launch(K._rms_norm_bwd_row_kernel, (min(m, NUM_SMS * ppsm), 1), w,
+        out += [Launch(KN._rms_norm_bwd_row_kernel, (min(m, NUM_SMS * ppsm), 1), w,
                        {**_fixed(n), "BLOCK_N": bn, "SPLIT": 1, "HOLD_W": True})
                 for w in (8, 16, 32) for ppsm in (1, 2)]
     return out
 
 
 def stats_candidates(m, n):
-    return [Launch(K._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
+    return [Launch(KN._rms_norm_bwd_stats_kernel, (m, 1), w, {**_fixed(n), "BLOCK_N": c})
             for c in (2048, 4096, 8192) for w in (4, 8, 16) if 4 <= c // (32 * w) <= 32 and c <= next_pow2(n)]
 
 
@@ -130,13 +131,13 @@ def cols_candidates(m, n):
                     continue
                 for programs in (2 * NUM_SMS, 4 * NUM_SMS, 8 * NUM_SMS):
                     groups = max(1, min(cdiv(m, bm), programs // cdiv(n, bn)))
-                    out.append(Launch(K._rms_norm_bwd_cols_kernel, (cdiv(n, bn), groups, 1), w,
+                    out.append(Launch(KN._rms_norm_bwd_cols_kernel, (cdiv(n, bn), groups, 1), w,
                                       {**_fixed(n, eps=False), "BLOCK_M": bm, "BLOCK_N": bn}))
     return out
 
 
 def reduce_candidates(n):
-    return [Launch(K._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
+    return [Launch(KN._dw_reduce_kernel, (cdiv(n, bn), 1), w, {"ROW_ALIGN": row_align(n), "BLOCK_P": bp, "BLOCK_N": bn})
             for bn in (16, 32, 64) for bp in (64, 128, 256, 512) for w in (2, 4, 8)
             if bn <= next_pow2(n) and 4 <= bp * bn // (32 * w) <= 64]
 

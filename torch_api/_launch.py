@@ -11,6 +11,7 @@ Three ways to launch one plan, all the same binary:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -95,6 +96,23 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
 # arguments checked once, on a miss, by the function that builds the executor.
 
 _EXECUTORS: dict = {}
+
+
+@contextlib.contextmanager
+def executor_cache(cache: dict | None = None):
+    """Eager calls inside the block keep their executors in `cache` (a new dict by default), which it yields:
+    a tuning tool that swaps a plan sees executors built on it, and can count their launches."""
+    global _EXECUTORS
+    saved, _EXECUTORS = _EXECUTORS, ({} if cache is None else cache)
+    try:
+        yield _EXECUTORS
+    finally:
+        _EXECUTORS = saved
+
+
+def clear_executors() -> None:
+    """Drop every cached eager executor (after a plan was swapped)."""
+    _EXECUTORS.clear()
 
 
 def cached(key: tuple, make, *args):

@@ -44,8 +44,9 @@ from torch_api._launch import (
     signature,
 )
 from torch_api.rms_norm import reference_math, rms_norm
+from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
 from xkern.launch import check_float
-from xkern.rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm, check_variant
+from xkern.rms_norm import check_variant
 
 
 def _check(x, residual, weight, eps, variant, residual_dtype) -> tuple[str, str]:

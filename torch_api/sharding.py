@@ -48,12 +48,8 @@ import torch_api.add_rms_norm  # noqa: F401  (registers the xkern::* ops)
 import torch_api.permute  # noqa: F401
 import torch_api.rms_norm  # noqa: F401
 from torch_api._launch import dtype_name, launch, rows_view
-from xkern.rms_norm import (
-    add_width_sharded_ok,
-    plan_rms_norm_bwd_width_sharded,
-    plan_rms_norm_fwd_width_sharded,
-    width_sharded_ok,
-)
+from xkern.add_rms_norm import add_width_sharded_ok
+from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded, width_sharded_ok
 
 _ops = torch.ops.xkern
 R = Replicate()

@@ -71,6 +71,7 @@ class Recipe:
 
 FLOATS = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}
+POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}  # Triton's pointer type per float
 
 
 def promote(a: str, b: str) -> str:
@@ -132,7 +133,7 @@ def row_align(n_cols: int, *row_strides: int) -> int:
 
     Kernels take it as the constexpr ROW_ALIGN and apply it as `n // ROW_ALIGN * ROW_ALIGN`, which lets
     the compiler prove 16-byte alignment of rows without specializing the integer arguments themselves
-    (the torch and JAX launchers specialize integers differently; see xkern/rms_norm.py)."""
+    (the torch and JAX launchers specialize integers differently; see xkern/rms_norm/kernels.py)."""
     align = 16
     while any(v % align for v in (n_cols, *row_strides)):
         align //= 2
