@@ -1,6 +1,6 @@
 """Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_vjp` function (jit, grad, vjp, vmap).
 
-The same recipes and kernels as the torch front end (`xkern/rms_norm.py`, "Fused residual add"), hence the
+The same recipes and kernels as the torch front end (`xkern/add_rms_norm.py`), hence the
 same bits. vmap: the kernel calls are `custom_vmap` functions, a vmapped forward is more rows and a vmapped
 backward one launch with a batch grid axis (one dw per example); a batched weight maps over the batch.
 JAX hands the backward a zero cotangent for an unused residual_out, so the backward always reads it.

@@ -2,7 +2,7 @@
 
 vmap: the kernel calls are `custom_vmap` functions, so a vmapped forward is just more rows, and a
 vmapped backward launches once with a batch grid axis that keeps one dw per example. A batched weight
-falls back to `lax.map` over the batch. Math and rounding: see `xkern/rms_norm.py`. Under `jax.jit` the
+falls back to `lax.map` over the batch. Math and rounding: see `xkern/rms_norm/kernels.py`. Under `jax.jit` the
 kernel calls partition themselves (jax_api/sharding.py); inside `jax.shard_map` with the hidden dim split,
 `rms_norm_tp` (at the end) names the axes.
 """

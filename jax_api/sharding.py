@@ -13,7 +13,7 @@ weight; the width-sharded kernels compute the Llama math with a weight, the othe
   (deterministic for a given mesh).
 - width sharded (N over mesh axes, tensor parallel): each device sums its columns of each row (fp32), one
   psum of those [rows] sums (one fp32 per row forward, two backward) over the hidden axes, then each device
-  normalises its columns (the width-sharded kernels at the end of xkern/rms_norm.py). x is never gathered;
+  normalises its columns (the width-sharded kernels, xkern/rms_norm/width_sharded.py). x is never gathered;
   w and dw are sharded like N. Results are within the fp32 contract of one device's (row sums reassociated).
 Gathers and combines (permute_rows, unpermute_rows, with and without top_k and probs), rows [n, H]: a sharded
 H is local. The indices are global, so a device all-gathers the rows it reads (rows x H/shards) and, to

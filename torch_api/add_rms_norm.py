@@ -6,8 +6,7 @@ residual; y = norm(residual_out)` in one kernel (one read of x and residual, one
 and its backward one kernel too (reads dy, residual_out's gradient, residual_out and w once each). Eager calls
 on plain tensors launch the recipes directly (an executor per call signature, autograd through
 `_AddRMSNormFunction`); everything else (torch.compile, export, DTensor) goes through the registered
-`torch.library.triton_op`s. The recipes and the rounding contract are in `xkern/rms_norm.py` (search "Fused
-residual add").
+`torch.library.triton_op`s. The recipes and the rounding contract are in `xkern/add_rms_norm.py`.
 
 Autodiff: reverse mode through the joint backward kernel, with None for an unused gradient of either output.
 Forward-mode AD and torch.func transforms (jvp, vmap, grad) take the composite expression, as do second

@@ -9,7 +9,7 @@ GPU a `triton_op` whose kernels it launches as they are): the add would stay a k
 
 and AOT autograd then differentiates the fused op through its own joint backward (one kernel reads dy, the
 gradient of s, s and w). Taken only where a and b have one float dtype and one shape (then the fused op is
-bit for bit the pair: see xkern/rms_norm.py). `enable_compile_fusion()` installs it as Inductor's
+bit for bit the pair: see xkern/add_rms_norm.py). `enable_compile_fusion()` installs it as Inductor's
 `pre_grad_custom_pass`; nothing is installed on import.
 """
 

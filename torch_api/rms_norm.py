@@ -5,7 +5,7 @@ Eager calls on plain CUDA tensors launch the kernels directly (an `Executor` cac
 autograd through `_RMSNormFunction`, forward-mode AD through its `jvp`). Everything else — torch.compile,
 export, DTensor and other tensor subclasses, dispatch modes — goes through the registered
 `torch.library.triton_op`s, which Inductor lowers to direct kernel launches in its generated code. Both
-paths execute the same recipe from `xkern/rms_norm.py`. Math and rounding: see there.
+paths execute the same recipe from `xkern.rms_norm`. Math and rounding: `xkern/rms_norm/kernels.py`.
 """
 
 from __future__ import annotations
