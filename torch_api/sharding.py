@@ -21,7 +21,7 @@ input whose placement is not among them, e.g. all-gathers it):
 
 A width-sharded x (Shard on the last dim: tensor parallel over the hidden dim) takes its own path, as in
 jax_api/sharding.py: each rank sums its columns of each row, one fp32 all-reduce of those [rows] sums over
-the mesh dims that split the width, then each rank finishes its columns (the width-sharded kernels at the
+the mesh dims that split the width, then each rank finishes its columns (the width-sharded kernels,
 xkern/rms_norm/width_sharded.py). x is never gathered; w and dw are sharded like the width; dw is summed in fp32
 over the mesh dims that shard the rows (one all-reduce), then rounded once to w's dtype: the rounding of
 jax_api's path. It is a DTensor op handler (`_custom_op_handlers`, which torch's own `loss_parallel` uses)
