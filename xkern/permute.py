@@ -487,9 +487,11 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                         combine = plan_combine(1024, n_cols, elem_size, n_cols, probs is not None)
                         variants.append((combine, {"SRC": dtype, "OUT": dtype, "RAW": index, "PROBS": probs or index,
                                                    **rows}))
-                        if probs:
+                        # dprobs in probs' dtype; and in fp32 for 16-bit probs (jax_api's combine backward with
+                        # the hidden dim sharded sums the shards' dprobs in fp32 before rounding once)
+                        for dprobs in {probs: None, "*fp32": None} if probs else ():
                             variants.append((bwd, {"DOUT": dtype, "Y": dtype, "DY": dtype, "IDX": index,
-                                                   "PROBS": probs, "DPROBS": probs}))
+                                                   "PROBS": probs, "DPROBS": dprobs}))
     for index in ("*i32", "*i64"):
         scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
         (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
