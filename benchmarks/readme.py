@@ -4,7 +4,8 @@
 
 One subsection per GPU kind (`benchmarks/results/<gpu>/<gpu>.json`, the main job's JSON): the GPU, the commit
 and date of the run, the versions, the RMSNorm plot, one table of xkern against its peers and of JAX against
-torch, and a small table of the host cost per eager call. The fused add's table and the MoE layer steps are
+torch, and a small table of the host cost per eager call. A set whose JSON says `"kernels_current": false`
+(measured before the current kernels and plans) gets its note and a link only. The fused add's table and the MoE layer steps are
 linked where their JSONs are beside it. Ratios are stated as "time of the other / time of xkern", so above 1
 always means xkern (or, in the JAX column, the JAX front end) is faster.
 """
@@ -112,6 +113,8 @@ def section(json_path: str, readme_dir: str) -> str:
            f"{results['ceiling']['gbps']:.0f} GB/s (device-to-device copy, bytes read + written)."]
     if results.get("kernels_note"):
         out += ["", results["kernels_note"]]
+    if results.get("kernels_current") is False:  # an older set: pointed to, not summarised as current
+        return "\n".join(out + ["", f"Its tables: [{rel}.md]({rel}.md)."]) + "\n"
     if os.path.exists(os.path.join(folder, f"{stem}-rms_norm.png")):
         out += ["", f"![RMSNorm on {results['gpu']}]({rel}-rms_norm.png)"]
     rs = _ratios(results["rows"])
