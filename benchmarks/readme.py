@@ -5,9 +5,9 @@
 One subsection per GPU kind (`benchmarks/results/<gpu>/<gpu>.json`, the main job's JSON): the GPU, the commit
 and date of the run, the versions, the RMSNorm plot, one table of xkern against its peers and of JAX against
 torch, and a small table of the host cost per eager call. A set whose JSON says `"kernels_current": false`
-(measured before the current kernels and plans) gets its note and a link only. The fused add's table and the MoE layer steps are
-linked where their JSONs are beside it. Ratios are stated as "time of the other / time of xkern", so above 1
-always means xkern (or, in the JAX column, the JAX front end) is faster.
+(measured before the current kernels and plans) gets its note and a link only. The fused add's table and the
+MoE layer steps are linked where their JSONs are beside it. Ratios are stated as "time of the other / time
+of xkern", so above 1 always means xkern (or, in the JAX column, the JAX front end) is faster.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import os
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
+# Row labels of result sets measured before the gathers' peers were named after torchtitan.
+RENAMED = {"previous (vstack + index)": "torchtitan (vstack + index)",
+           "previous (zeros + index_put)": "torchtitan (zeros + index_put)"}
 # What each peer's row label means, for the line under the table.
 PEERS = {
     "quack": "quack (CuTe DSL kernels)",
@@ -33,9 +36,6 @@ PEERS = {
     "jnp.take + mask": "jnp.take, padding rows masked to zero",
     "torchtitan (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
     "torchtitan (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
-    # The same two peers' labels in result sets measured before they were named after torchtitan:
-    "previous (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
-    "previous (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
 }
 
 
@@ -54,7 +54,7 @@ def _ratios(rows) -> list[dict]:
     for r in rows:
         if r.get("sweep") or r.get("frac") is None:
             continue
-        groups.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[r["impl"]] = r
+        groups.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[RENAMED.get(r["impl"], r["impl"])] = r
     out = []
     for (op, pass_, dtype, shape), by in groups.items():
         xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
@@ -91,7 +91,7 @@ def _host(results) -> list[str]:
                   if (o_op, o_pass) == (op, pass_) and i not in ("xkern (torch)", "F.rms_norm")
                   and not i.startswith("floor")]
         fastest = min(others) if others else None
-        lines.append([f"{op} {PASS_NAMES[pass_]}", str(h.get("shape", "")), f"{h['wall_us']:.1f}",
+        lines.append([f"{op} {PASS_NAMES[pass_]}", str(h.get("shape", "")).removeprefix("x "), f"{h['wall_us']:.1f}",
                       f"{native['wall_us']:.1f}" if native else "",
                       f"{h['wall_us'] / native['wall_us']:.2f}" if native else "",
                       f"{fastest[0]:.1f} ({fastest[1]})" if fastest else ""])
@@ -128,16 +128,18 @@ def section(json_path: str, readme_dir: str) -> str:
         lines.append([key[0], PASS_NAMES[key[1]], key[2], str(len(sel)), f"{min(fr):.2f}–{max(fr):.2f}",
                       f"{w['vs_peer']:.2f} at {w['shape']} ({w['peer']})" if w else "",
                       f"{j['jax']:.2f} at {j['shape']}" if j else ""])
+    same = any("profile" in r.get("timing", "") for r in results["rows"] if r["impl"] == "xkern (jax)")
     out += ["", "Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, "
             "as a fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, "
             "the smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). "
             "*Slowest JAX against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is "
-            "as fast).", ""]
+            "as fast)" + ("." if same else "; this set timed JAX in a jitted loop and torch in CUDA graphs, not "
+                          "the one profiler method both use now."), ""]
     out += _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
                    "slowest against the best peer", "slowest JAX against torch"], lines)
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
     if named:
-        out += ["", "Peers named above: " + "; ".join(named) + "."]
+        out += ["", "Peers: " + "; ".join(named) + "."]
     out += _host(results)
     links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
     for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),
@@ -154,8 +156,7 @@ def section(json_path: str, readme_dir: str) -> str:
 def body(readme_dir: str, results_dir: str | None = None) -> str:
     results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
     kinds = sorted(d for d in os.listdir(results_dir) if os.path.exists(os.path.join(results_dir, d, d + ".json")))
-    parts = ["One run of the main benchmark per GPU kind, each at one commit; how it is measured: "
-             "[`docs/benchmarks.md`](docs/benchmarks.md).", ""]
+    parts = ["One run of the main benchmark per GPU kind, at one commit ([method](docs/benchmarks.md)).", ""]
     for kind in kinds:
         parts.append(section(os.path.join(results_dir, kind, kind + ".json"), readme_dir))
     return "\n".join(parts)
