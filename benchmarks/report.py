@@ -3,11 +3,10 @@
     python -m benchmarks.report benchmarks/results/<gpu>/<gpu>.json [--readme README.md] [--no-plots]
     python -m benchmarks.report --merge benchmarks/results/<gpu>/<gpu>-sweep.json PART.json PART.json ...
 
-Writes `<stem>.md` (every table) and `<stem>-<figure>.png` beside the JSON. For the main JSON it also
-replaces README's text between `<!-- section: benchmarks -->` and `<!-- /section: benchmarks -->` with
-the summary: one plot, one table, the host cost and the sweep's worst ratios (from `<stem>-sweep.json`
-when it is there). `--merge` joins the sweep's parts (`main --sweep --part K/N`) into one JSON. Plots need
-matplotlib (Agg); without it the tables are still written.
+Writes `<stem>.md` (every table) and `<stem>-<figure>.png` beside the JSON. For a main JSON it also
+rewrites README's benchmarks section (`benchmarks/readme.py`: every GPU kind's main set). `--merge` joins
+the sweep's parts (`main --sweep --part K/N`) into one JSON. Plots need matplotlib (Agg); without it the
+tables are still written.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import argparse
 import json
 import os
 
-BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
 FIGURES = {"rms_norm": ("rms_norm",), "permute": ("permute_rows", "unpermute_rows")}  # PNG -> its ops
@@ -246,64 +244,6 @@ def markdown(results: dict, json_rel: str, plots_rel: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# README's summary
-
-
-def _worst(rs, key="ratio"):
-    vals = [r for r in rs if r.get(key) is not None]
-    return min(vals, key=lambda r: r[key]) if vals else None
-
-
-def summary(results: dict, sweep: dict | None, rel: str, plot_rel: str | None) -> str:
-    """README's benchmarks section: one plot, one table, the host cost, the sweep's worst ratios."""
-    rows = [r for r in results["rows"] if not r.get("sweep")]
-    rs = ratios(rows)
-    out = [_header(results), ""]
-    if plot_rel:
-        out += [f"![RMSNorm on {results['gpu']}]({plot_rel})", ""]
-    out += ["Device time (torch in CUDA graphs; JAX: the profiler's device time of one jitted call per input "
-            "set), as a fraction of the copy ceiling over the minimum bytes, across the benchmark's shapes; ratio: "
-            "xkern (torch) over the best peer at the same shape (≥ 1: xkern is at least as fast); worst JAX / "
-            "torch: xkern's torch µs over its JAX µs, both by the profiler (below 1: JAX is slower).", ""]
-    lines = []
-    for key in dict.fromkeys((r["op"], r["pass"], r["dtype"]) for r in rs):
-        sel = [r for r in rs if (r["op"], r["pass"], r["dtype"]) == key]
-        xk = [r["xkern"] for r in sel]
-        worst, jax_worst = _worst(sel), _worst(sel, "jax_ratio")
-        lines.append([f"{key[0]} {PASS_NAMES[key[1]]}", key[2], f"{min(xk):.2f}–{max(xk):.2f}",
-                      f"{worst['ratio']:.2f} at {worst['shape']} ({worst['best_peer']})" if worst else "",
-                      f"{jax_worst['jax_ratio']:.2f} at {jax_worst['shape']}" if jax_worst else ""])
-    out += _table(["op, pass", "dtype", "xkern (torch)", "worst ratio to best peer", "worst JAX / torch"], lines)
-    host = {(h["op"], h["pass"], h["impl"]): h["wall_us"] for h in results.get("host", []) if "wall_us" in h}
-    if host:
-        own = {(op, p): us for (op, p, impl), us in host.items() if impl.startswith("floor:")}
-        cells = [f"{op} {p}: {us:.0f}" + (f" (its floor {own[op, p]:.0f})" if (op, p) in own else "")
-                 for (op, p, impl), us in host.items() if impl == "xkern (torch)"]
-        peers = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "rms_norm" and p == "fwd"
-                 and impl != "xkern (torch)"]
-        floor = [f"{impl} {us:.0f}" for (op, p, impl), us in host.items() if op == "floor"]
-        out += ["", f"Host µs per call (eager loop; peers and the block step in the full tables): xkern "
-                f"{'; '.join(cells)}. RMSNorm forward peers: {', '.join(peers)}. Floor: {', '.join(floor)}."]
-    if sweep:
-        srs = ratios(sweep["rows"])
-        lines = []
-        for key in dict.fromkeys((r["pass"], r["dtype"]) for r in srs):
-            sel = [r for r in srs if (r["pass"], r["dtype"]) == key]
-            w, j = _worst(sel), _worst(sel, "jax_ratio")
-            lines.append([PASS_NAMES[key[0]], key[1], str(len(sel)),
-                          f"**{w['ratio']:.2f}** at {w['width']} ({w['best_peer']})" if w else "",
-                          f"{j['jax_ratio']:.2f} at {j['width']}" if j else ""])
-        out += ["", f"Width sweep ({sweep['date']}; widths 64 to 65536, x of 2^26 elements; plot and table per "
-                f"width: [`{rel}-sweep.md`]({rel}-sweep.md)):", ""]
-        out += _table(["pass", "dtype", "widths", "worst xkern / best peer", "worst JAX / torch"], lines)
-    else:
-        out += ["", "Width sweep: not measured yet (`python -m benchmarks.main --sweep`)."]
-    out += ["", f"Every table: [`{rel}.md`]({rel}.md); data: [`{rel}.json`]({rel}.json); how it is measured: "
-            "[`docs/benchmarks.md`](docs/benchmarks.md)."]
-    return "\n".join(out) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------
 # Plots
 
 
@@ -415,18 +355,6 @@ def plots(results: dict, out_dir: str, stem: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def update_readme(readme: str, body: str) -> bool:
-    with open(readme) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        return False
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(readme, "w") as f:
-        f.write(f"{head}{BEGIN}\n## Benchmarks\n\n{body}{END}{tail}")
-    return True
-
-
 def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) -> str:
     """Plots and every table beside the JSON; README's summary refreshed (main JSONs); returns the tables."""
     with open(json_path) as f:
@@ -447,15 +375,10 @@ def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) 
     md = markdown(results, os.path.basename(json_path), paths)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(md)
-    if readme and results.get("mode", "main") == "main":  # README quotes the main run (and its sweep)
-        sweep_path = os.path.join(out_dir, stem + "-sweep.json")
-        sweep = json.load(open(sweep_path)) if os.path.exists(sweep_path) else None
-        base = os.path.dirname(os.path.abspath(readme))
-        rel = os.path.relpath(os.path.join(out_dir, stem), base)
-        plot_rel = next((os.path.relpath(p, base) for p in paths if p.endswith("-rms_norm.png")), None)
-        if plot_rel is None and os.path.exists(os.path.join(out_dir, f"{stem}-rms_norm.png")):
-            plot_rel = rel + "-rms_norm.png"
-        if not update_readme(readme, summary(results, sweep, rel, plot_rel)):
+    if readme and results.get("mode", "main") == "main":  # README quotes every GPU kind's main set
+        from benchmarks import readme as readme_section
+
+        if not readme_section.update(readme, readme_section.body(os.path.dirname(os.path.abspath(readme)))):
             log(f"{readme}: no benchmarks section markers, not updated")
     return md
 

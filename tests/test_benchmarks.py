@@ -52,12 +52,13 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     md = path.with_suffix(".md").read_text()
     assert "Host cost per call" in md and "width sweep" in md and "1-device mesh" in md
 
-    from benchmarks import report  # the sweep's parts merged, and README's summary quoting the sweep
+    from benchmarks import readme, report  # the sweep's parts merged; README's section from the result sets
 
-    merged = tmp_path / "merged-sweep.json"
+    merged = tmp_path / f"{path.stem}-sweep.json"
     report.merge(str(merged), [str(path), str(path)])
-    summary = report.summary(results, json.loads(merged.read_text()), "results/x", None)
-    assert "worst xkern / best peer" in summary and "worst JAX / torch" in summary
+    section = readme.section(str(path), str(tmp_path))
+    assert "slowest against the best peer" in section and "slowest JAX against torch" in section
+    assert f"[data]({path.stem}.json)" in section and results["gpu"] in section
 
 
 @pytest.mark.slow
