@@ -117,8 +117,8 @@ def _measure_one(t: int, h: int, device: str, log) -> list[dict]:
 
 def launch_floor_us(device: str) -> float:
     """Host wall µs of an empty kernel launched through xkern's launcher. What a launch saves depends on it:
-    on the H200 machines lent so far it took 5.9-7.9 µs, and a second launch cost a call 10-15 µs there,
-    but about nothing on the machine of this benchmark's first run (docs/benchmarks.md, entry 18)."""
+    on H200 hosts measured on 2026-12-04 it took 5.9-7.9 µs, and a second launch cost a call 10-15 µs there,
+    but about nothing on another H200 host (docs/benchmarks.md, entry 18)."""
     import torch
 
     from benchmarks import timing

@@ -7,10 +7,10 @@ reduction included, through the path users take. Each candidate's results are co
     python -m tools.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split]
                                     [--out DIR]
 
-Sets (session 16, docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
+Sets (docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
 persistent chunked kernel at 32768 and 65536; the forward's row kernel reading x twice at the widths it
-now takes in SPLIT blocks holding the row (not yet run: session 17's first call).
+now takes in SPLIT blocks holding the row.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def candidate_sets() -> dict:
             (5120, [(1024, 5, 4), (1024, 5, 8)]), (6144, [(2048, 3, 8), (2048, 3, 16), (1024, 6, 8)]),
             (12288, [(4096, 3, 16), (4096, 3, 32)]), (14336, [(4096, 4, 16), (2048, 7, 8), (4096, 4, 32)]),
             (18432, [(4096, 5, 16), (4096, 5, 32)]), (65536, [(16384, 4, 32), (8192, 8, 32)]))],
-        # Session 17: the forwards still under 0.90 after split-reload (5120, 14336, 16384, 18432): blocks of
+        # The forwards still under 0.90 after split-reload (5120, 14336, 16384, 18432): blocks of
         # 2048 at 16 warps (no masked lanes at 14336 and 18432, 28-36 elements per thread), held or read twice.
         "wide-split": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x{k} {nw}w {'reload' if r else 'held'}",
                                                                 fwd_split(b, k, nw, r), None) for b, k, nw, r in c])
@@ -222,18 +222,18 @@ def candidate_sets() -> dict:
                                     (18432, [(2048, 9, 16, False), (2048, 9, 16, True), (4096, 5, 32, True)]))]
         + [("fwd", 4096, 16384, "bfloat16", [("row 32 warps, reload", fwd_row(32, True), None),
                                              ("row 16 warps, reload", fwd_row(16, True), None)])],
-        # Session 18: the backward's row kernel (rows read twice, only w and dw held) in SPLIT blocks with
+        # The backward's row kernel (rows read twice, only w and dw held) in SPLIT blocks with
         # several programs per SM, at the widths where the tile kernels' held rows cap the bytes in flight
         # (backward under 0.85: docs/benchmarks.md, entry 15). (BLOCK_N, SPLIT, warps, per SM, hold w).
         "bwd-row": [("bwd", (1 << 26) // w, w, "bfloat16", [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}",
                                                             None, bwd_row(b, k, nw, ps, h)) for b, k, nw, ps, h in c])
                     for w, c in _BWD_ROW_CANDIDATES],
-        # Session 18: two rules for the row kernel against the plan at every swept width from 512 to 24576,
+        # Two rules for the row kernel against the plan at every swept width from 512 to 24576,
         # so that one that wins at the candidates' widths is seen not to sag between them.
         "bwd-row-rule": [("bwd", (1 << 26) // w, w, dt, rules) for w, dt in
                          [(w, "bfloat16") for w in _SWEEP_WIDTHS if 512 <= w <= 24576]
                          + [(7168, "float16"), (16384, "float16")]],  # fp16's two backward widths under 0.85
-        # Session 21: the H100's main set (docs/benchmarks.md, the H100 set) fell more than 2 % behind the best
+        # The H100's main set (2026-12-05; docs/benchmarks.md, the H100 set) fell more than 2 % behind the best
         # peer only at the narrowest forwards (64 and 128 wide; XLA, torch.compile) and the column-split
         # backward above 16384 (quack): the tiles there. Run on the H100 and the H200 alike.
         "h100": [("fwd", m, n, "bfloat16", [(f"tile {bm}x{n} {nw}w", fwd_tile(bm, nw), None) for bm, nw in c])
@@ -246,7 +246,7 @@ def candidate_sets() -> dict:
                                           (4, 2048, 8, 2 * NUM_SMS), (8, 2048, 8, 2 * NUM_SMS),
                                           (4, 512, 2, 8 * NUM_SMS)]),
                            (1024, 65536, [(8, 1024, 4, 4 * NUM_SMS), (4, 2048, 8, 2 * NUM_SMS)]))],
-        # Session 18: does reading x twice at wider warps (8 elements per thread per block) gain at five
+        # Does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
                                                              for nw in ws]) for w, b, ws in
