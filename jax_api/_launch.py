@@ -151,7 +151,8 @@ def _interpret(plan: Launch, out_types, scalars, zeroed, *inputs):
     return outs
 
 
-def _varying(a) -> frozenset:
+def varying(a) -> frozenset:
+    """The shard_map axes `a` varies over (empty outside shard_map: then the array is not one shard)."""
     t = jax.typeof(a)
     mat = getattr(t, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
     return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
@@ -159,7 +160,7 @@ def _varying(a) -> frozenset:
 
 def vary_like(a, like):
     """Inside shard_map: give `a` the varying manual axes of `like` (kernel call outputs carry none)."""
-    missing = tuple(sorted(_varying(like) - _varying(a)))
+    missing = tuple(sorted(varying(like) - varying(a)))
     return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import sharding
-from jax_api._launch import _varying, check_array, execute, map_batched, vary_like
+from jax_api._launch import check_array, execute, map_batched, vary_like, varying
 from xkern.launch import check_float
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
 
@@ -162,7 +162,7 @@ def _rms_norm_tp_bwd(axes, eps, residuals, dy):
     x, weight = residuals
     n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
     dx, dw = sharding.bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
-    row_axes = tuple(sorted(_varying(x) - _varying(weight) - set(axes)))
+    row_axes = tuple(sorted(varying(x) - varying(weight) - set(axes)))
     dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
     return vary_like(dx, x), dw.astype(weight.dtype)
 

@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_api._launch import _varying, call, host_custom_call, vary_like
+from jax_api._launch import call, host_custom_call, vary_like, varying
 from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
 
@@ -76,7 +76,7 @@ def partitioned(body, partition, rule: str, **factors):
     op.def_partition(partition=partition, sharding_rule=rule, **factors)
 
     def apply(*args):
-        if any(_varying(a) for a in args):  # inside shard_map: already one shard
+        if any(varying(a) for a in args):  # inside shard_map: already one shard
             return body(*args)
         return op(*args)
 
