@@ -1,4 +1,4 @@
-"""torch_api and jax_api compile the same binary for every RMSNorm launch: checked on CPU, for sm_90.
+"""torch_api and jax_api compile the same PTX for every RMSNorm launch: checked on CPU, for sm_90.
 
 The torch side: Triton's own launcher binder (`create_function_from_signature`, as `kernel[grid](...)`
 specializes the arguments of a real launch) on meta tensors. The JAX side: the PTX that jax-triton embeds
