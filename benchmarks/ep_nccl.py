@@ -7,7 +7,7 @@
 Correctness (every rank): random tokens, top-8 of 16/32 experts, alignment 16, through ep_dispatch -> a
 per-expert linear on each m_sizes block -> ep_combine; forward and grads of x and topk_weights against a
 plain-torch single-process reference over the all-gathered inputs; identity experts with unit weights
-must give K*x exactly. Timing (GPU): forward dispatch+permute+unpermute+combine, xkern vs the previous
+must give K*x exactly. Timing (GPU): forward dispatch+permute+unpermute+combine, xkern vs torchtitan's
 permutes (zero-row vstack + index; zero-fill + index_put) around the same all-to-alls, bf16, identity
 experts; per iteration the slowest rank counts (the step ends when both have), median over iterations.
 """
@@ -162,7 +162,8 @@ def _a2a(x, out_splits, in_splits):
 
 
 def previous_step(x, ids, w, num_experts):
-    """The same collectives and index generation, with the previous permutes (torchtitan style)."""
+    """The same collectives and index generation, with torchtitan's permutes (zero-row vstack +
+    index; zero-fill + index assignment)."""
     world = dist.get_world_size()
     el = num_experts // world
     flat = ids.reshape(-1)

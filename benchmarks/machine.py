@@ -55,7 +55,7 @@ def kernels_sha() -> str:
 
 def commit() -> str | None:
     """This tree's commit (with "+changes" when it has uncommitted ones), where git is there; XKERN_COMMIT
-    overrides it (a device machine's copy of the tree may carry an older .git)."""
+    overrides it (a copy of the tree on another machine may carry an older .git)."""
     if os.environ.get("XKERN_COMMIT"):
         return os.environ["XKERN_COMMIT"]
     try:

@@ -1,5 +1,5 @@
 """The padded expert row gather, declared to the runner: `permute_rows` and `unpermute_rows` (forward and
-backward) in both front ends, against the previous implementation (zero-row `vstack` + index; zero-fill +
+backward) in both front ends, against torchtitan's implementation (zero-row `vstack` + index; zero-fill +
 `index_put`), `torch.index_select` and `jnp.take` with masking.
 
 Routing: T tokens x top-8 = N rows arrive rank-major from 8 ranks (expert parallel 8, 8 local experts:

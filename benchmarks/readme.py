@@ -5,9 +5,9 @@
 One subsection per GPU kind (`benchmarks/results/<gpu>/<gpu>.json`, the main job's JSON): the GPU, the commit
 and date of the run, the versions, the RMSNorm plot, one table of xkern against its peers and of JAX against
 torch, and a small table of the host cost per eager call. A set whose JSON says `"kernels_current": false`
-(measured before the current kernels and plans) gets its note and a link only. The fused add's table and the
-MoE layer steps are linked where their JSONs are beside it. Ratios are stated as "time of the other / time
-of xkern", so above 1 always means xkern (or, in the JAX column, the JAX front end) is faster.
+(measured before the current kernels and plans) gets its note and a link only. The fused add's table, the
+width sweep and the MoE layer steps are linked where their tables are beside it. Ratios are stated as "time of
+the other / time of xkern", so above 1 always means xkern (or, in the JAX column, the JAX front end) is faster.
 """
 
 from __future__ import annotations

@@ -356,7 +356,8 @@ def plots(results: dict, out_dir: str, stem: str) -> list[str]:
 
 
 def write_all(json_path: str, readme: str | None, draw: bool = True, log=print) -> str:
-    """Plots and every table beside the JSON; README's summary refreshed (main JSONs); returns the tables."""
+    """Plots and every table beside the JSON; README's benchmarks section refreshed (main JSONs); returns the
+    tables."""
     with open(json_path) as f:
         results = json.load(f)
     out_dir = os.path.dirname(os.path.abspath(json_path))
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
     if args.merge:
         merge(args.json_path, args.parts)
     write_all(args.json_path, args.readme, draw=not args.no_plots)
-    if args.json_path.endswith("-sweep.json"):  # the main JSON's README summary quotes the sweep
+    if args.json_path.endswith("-sweep.json"):  # README's section links the sweep's tables
         main_json = args.json_path[: -len("-sweep.json")] + ".json"
         if os.path.exists(main_json):
             write_all(main_json, args.readme, draw=not args.no_plots)

@@ -403,7 +403,7 @@ def test_jax_grad_of_composition():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The previous implementation: padded gather with an appended zero row, zero-fill + index_put
+# torchtitan's implementation: padded gather with an appended zero row, zero-fill + index_put
 
 
 def _old_permute(x, idx):
