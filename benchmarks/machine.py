@@ -44,12 +44,13 @@ def gpu_kind(name: str) -> str:
 
 
 def kernels_sha() -> str:
-    """The first 12 hex digits of a sha256 over xkern/*.py: names the kernels and plans measured even where git
-    names another commit (a copy of the tree that carries an older .git)."""
+    """The first 12 hex digits of a sha256 over xkern/**/*.py (paths and contents): names the kernels and plans
+    measured even where git names another commit (a copy of the tree that carries an older .git)."""
     digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(ROOT, "xkern", "*.py"))):
+    core = os.path.join(ROOT, "xkern")
+    for path in sorted(glob.glob(os.path.join(core, "**", "*.py"), recursive=True)):
         with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+            digest.update(os.path.relpath(path, core).encode() + b"\0" + f.read())
     return digest.hexdigest()[:12]
 
 
