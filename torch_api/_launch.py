@@ -143,14 +143,14 @@ def rows_layout(t: torch.Tensor) -> tuple[bool, int]:
     return copy, n_cols if copy else t2.stride(0)
 
 
-def readable(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    """`t` as the kernels read it (`rows_layout`'s `copy`): a contiguous copy, or t itself at a 16-byte-aligned
-    address (as JAX's buffers always are; Triton compiles misaligned pointers to another binary), else an
-    aligned copy with t's strides."""
+def readable(t: torch.Tensor | None, copy: bool) -> torch.Tensor | None:
+    """`t` as the kernels read it (`rows_layout`'s `copy`; None stays None): a contiguous copy, or t itself at a
+    16-byte-aligned address (as JAX's buffers always are; Triton compiles misaligned pointers to another
+    binary), else an aligned copy with t's strides."""
+    if t is None or not copy and t.data_ptr() & 15 == 0:  # the common case: read in place
+        return t
     if copy:
         return t.contiguous() if t.data_ptr() & 15 == 0 else t.clone(memory_format=torch.contiguous_format)
-    if t.data_ptr() & 15 == 0:
-        return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 

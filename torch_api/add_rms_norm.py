@@ -163,19 +163,15 @@ class _Forward:
         self.res_name, self.variant = _check(x, residual, weight, eps, variant, residual_dtype)
         self.eps = eps
         (self.copy_x, x_row_stride), (self.copy_r, r_row_stride) = rows_layout(x), rows_layout(residual)
-        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = add_rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], eps, dtype_name(x.dtype),
                                          dtype_name(residual.dtype), dtype_or_none(weight), self.res_name,
                                          x_row_stride, r_row_stride, self.variant)
         self.run = Executor(recipe, ("x", "r", "w"), {"y": x.shape, "residual_out": x.shape})
 
     def __call__(self, x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.copy_x or x.data_ptr() & 15:
-            x = readable(x, self.copy_x)
-        if self.copy_r or residual.data_ptr() & 15:
-            residual = readable(residual, self.copy_r)
-        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = aligned_weight(weight)
+        x = readable(x, self.copy_x)
+        residual = readable(residual, self.copy_r)
+        weight = aligned_weight(weight)
         y, res = self.run.run(x, residual, weight)
         return y, res
 
@@ -187,7 +183,6 @@ class _Backward:
         variant = check_variant(variant, weight is not None)
         (self.copy_dy, dy_row_stride), (self.copy_dres, dres_row_stride) = rows_layout(dy), (
             (False, None) if dres is None else rows_layout(dres))
-        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = add_rms_norm_bwd_recipe(math.prod(res.shape[:-1]), res.shape[-1], eps, dtype_name(x_dtype),
                                          dtype_or_none(weight), dtype_name(res.dtype), dres is not None,
                                          res.shape[-1], dy_row_stride, dres_row_stride, variant=variant)
@@ -195,12 +190,9 @@ class _Backward:
         self.run = Executor(recipe, ("x", "w", "dy", "dres"), shapes)
 
     def __call__(self, dy, dres, res, weight):
-        if self.copy_dy or dy.data_ptr() & 15:
-            dy = readable(dy, self.copy_dy)
-        if dres is not None and (self.copy_dres or dres.data_ptr() & 15):
-            dres = readable(dres, self.copy_dres)
-        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = aligned_weight(weight)
+        dy = readable(dy, self.copy_dy)
+        dres = readable(dres, self.copy_dres)
+        weight = aligned_weight(weight)
         dsum, dw = self.run.run(res, weight, dy, dres)
         return dsum, dw
 

@@ -105,16 +105,13 @@ class _Forward:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str):
         variant = _check(x, weight, eps, variant)
         self.copy_x, x_row_stride = rows_layout(x)
-        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      dtype_or_none(weight), x_row_stride, variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if self.copy_x or x.data_ptr() & 15:
-            x = readable(x, self.copy_x)
-        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = aligned_weight(weight)
+        x = readable(x, self.copy_x)
+        weight = aligned_weight(weight)
         return self.run.run(x, weight)[0]
 
 
@@ -125,18 +122,14 @@ class _Backward:
         variant = check_variant(variant, weight is not None)
         (self.copy_x, x_row_stride), (self.copy_dy, dy_row_stride) = rows_layout(x), rows_layout(dy)
         self.weighted = weight is not None
-        self.flat_w = weight is None or flat_weight(weight) is weight
         recipe = rms_norm_bwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      dtype_or_none(weight), x_row_stride, dy_row_stride, variant=variant)
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
 
     def __call__(self, dy, x, weight):
-        if self.copy_x or x.data_ptr() & 15:
-            x = readable(x, self.copy_x)
-        if self.copy_dy or dy.data_ptr() & 15:
-            dy = readable(dy, self.copy_dy)
-        if weight is not None and (not self.flat_w or weight.data_ptr() & 15):
-            weight = aligned_weight(weight)
+        x = readable(x, self.copy_x)
+        dy = readable(dy, self.copy_dy)
+        weight = aligned_weight(weight)
         dx, dw = self.run.run(x, weight, dy)
         return dx, dw if self.weighted else None
 
