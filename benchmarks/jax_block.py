@@ -168,7 +168,7 @@ if __name__ == "__main__":  # rows printed, and into DIR if given; --profile: th
     import json
     import os
 
-    from benchmarks.main import GPU, commit, gpu_kind  # noqa: I001 - first: sets the platform env on CPU
+    from benchmarks.machine import GPU, commit, gpu_kind  # noqa: I001 - first: sets the platform env on CPU
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for <gpu kind>-jax-block.json (and -jax-block-profile.txt)")

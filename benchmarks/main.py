@@ -40,7 +40,7 @@ import time
 import traceback
 
 # First: on a CPU machine it selects the interpreter and JAX's CPU platform before torch, triton or jax loads.
-from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha  # noqa: F401 - re-exported
+from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha
 
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")

@@ -219,7 +219,9 @@ def test_sweep_widths_select_cases_and_name_the_output():
     assert all(case.shape[-1] == 96 for _, case, _ in picked)
     assert main.output_stem("NVIDIA H200", args("4096,96")).startswith("nvidia-h200-sweep-w96-4096-")
     # results/<gpu kind>/: the device name without its memory size
-    assert [main.gpu_kind(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe")] == [
+    from benchmarks.machine import gpu_kind
+
+    assert [gpu_kind(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe")] == [
         "nvidia-h100", "nvidia-h200", "nvidia-h100-pcie"]
 
 

@@ -263,7 +263,7 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "jax_torch_ptxas.json"), "w") as f:
                 json.dump({"ptxas": rows, "stablehlo": ops}, f, indent=1)
         return 0
-    from benchmarks.main import GPU  # noqa: I001 - first: sets the platform env on CPU
+    from benchmarks.machine import GPU  # noqa: I001 - first: sets the platform env on CPU
     from benchmarks import timing
 
     timing.set_smoke(not GPU)
