@@ -82,13 +82,144 @@ def routing(x, w_router, top_k: int):
     return top / top.sum(-1, keepdims=True), ids
 
 
-def swiglu_experts(xs, w13, w2, group_sizes):
-    """Rows grouped by expert (group_sizes[e] rows of expert e, in order); w13 [E, H, 2I], w2 [E, I, H]."""
+def swiglu_experts(xs, w13, w2, group_sizes, gemm=None):
+    """Rows grouped by expert (group_sizes[e] rows of expert e, in order); w13 [E, H, 2I], w2 [E, I, H].
+    `gemm(rows, w, group_sizes)`: the grouped GEMM (`EXPERT_GEMMS`; default `jax.lax.ragged_dot`)."""
     import jax
     import jax.numpy as jnp
 
-    gate, up = jnp.split(jax.lax.ragged_dot(xs, w13, group_sizes), 2, axis=-1)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w2, group_sizes)
+    gemm = gemm or jax.lax.ragged_dot
+    gate, up = jnp.split(gemm(xs, w13, group_sizes), 2, axis=-1)
+    return gemm(jax.nn.silu(gate) * up, w2, group_sizes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experts' grouped GEMM. XLA's GPU lowering of `ragged_dot` expands at least its weight-gradient form
+# (the group dimension contracted) to a dense GEMM masked per group: memory and flops times the expert count,
+# 197 GiB for the Qwen3-MoE step on an H100 (jax 0.11.2). Both paths share whichever grouped GEMM runs, so the
+# ratio still compares their dispatch and combine; the JSON names it.
+
+TILE_ROWS = 1024  # rows per GEMM of the tiled grouped GEMM: about the mean group of both sizes (T * k / E)
+
+
+def ragged_dot_pallas_available() -> bool:
+    """Whether this jax has its Pallas Triton lowering of `ragged_dot` for GPUs (some wheels expose the config
+    flag without the module)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax._src.lax.pallas_lowerings.gpu.ragged_dot") is not None
+    except ImportError:
+        return False
+
+
+def _tiles(group_sizes, rows: int, tile: int):
+    """The row tiles of the groups, each inside one group, padded to the static bound rows / tile + groups + 1
+    (a loop of known length: no per-iteration read of its bound by the host): (group of each tile, its first
+    row, the end row of its group); a padding tile starts and ends at `rows` (it keeps nothing)."""
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(group_sizes)
+    per = (group_sizes + tile - 1) // tile
+    last = jnp.cumsum(per)
+    t = jnp.arange(rows // tile + group_sizes.shape[0] + 1, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(last, t, side="right"), group_sizes.shape[0] - 1).astype(jnp.int32)
+    real = t < last[-1]
+    first = jnp.where(real, ends[g] - group_sizes[g] + (t - (last[g] - per[g])) * tile, rows)
+    return g, first, jnp.where(real, ends[g], rows)
+
+
+def _tiled_forward(x, w, group_sizes):
+    """out[r] = x[r] @ w[group of r] for rows inside the groups, 0 past them: one GEMM per row tile, in a loop."""
+    import jax
+    import jax.numpy as jnp
+
+    rows, tile = x.shape[0], TILE_ROWS
+    g, first, end = _tiles(group_sizes, rows, tile)
+    xp = jnp.pad(x, ((0, tile), (0, 0)))  # a tile's slice never clamps back into the rows before it
+    lane = jnp.arange(tile)[:, None]
+
+    def body(i, out):
+        part = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, first[i], tile), w[g[i]],
+                       preferred_element_type=jnp.float32).astype(out.dtype)
+        keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(first[i] + lane < end[i], part, keep),
+                                                   first[i], 0)
+
+    out = jnp.zeros((rows + tile, w.shape[-1]), x.dtype)
+    return jax.lax.fori_loop(0, g.shape[0], body, out)[:rows]
+
+
+def _tiled_weight_grad(x, dy, group_sizes):
+    """dw[e] = x[rows of e].T @ dy[rows of e], FP32 sums over row tiles, rounded once to x's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    tile = TILE_ROWS
+    g, first, end = _tiles(group_sizes, x.shape[0], tile)
+    xp, dyp = (jnp.pad(a, ((0, tile), (0, 0))) for a in (x, dy))
+    lane = jnp.arange(tile)[:, None]
+
+    def body(i, dw):
+        xs = jax.lax.dynamic_slice_in_dim(xp, first[i], tile)
+        xs = jnp.where(first[i] + lane < end[i], xs, jnp.zeros_like(xs))
+        part = jnp.dot(xs.T, jax.lax.dynamic_slice_in_dim(dyp, first[i], tile), preferred_element_type=jnp.float32)
+        return dw.at[g[i]].add(part)
+
+    dw = jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
+    return jax.lax.fori_loop(0, g.shape[0], body, dw).astype(x.dtype)
+
+
+@functools.cache
+def tiled_gemm(rows_by_ragged_dot: bool = False):
+    """`jax.lax.ragged_dot(x, w, group_sizes)` (rows past the groups 0) and its gradients, each a loop of dense
+    GEMMs over row tiles of `TILE_ROWS` (memory: one tile's product beyond the operands). `rows_by_ragged_dot`:
+    the forward and dx by `ragged_dot` itself (its group dimension not contracted), only dw by the loop."""
+    import jax
+    import numpy as np
+
+    rows_gemm = jax.lax.ragged_dot if rows_by_ragged_dot else _tiled_forward
+
+    @jax.custom_vjp
+    def gemm(x, w, group_sizes):
+        return rows_gemm(x, w, group_sizes)
+
+    def fwd(x, w, group_sizes):
+        return rows_gemm(x, w, group_sizes), (x, w, group_sizes)
+
+    def bwd(res, dy):
+        x, w, group_sizes = res
+        return (rows_gemm(dy, w.swapaxes(1, 2), group_sizes), _tiled_weight_grad(x, dy, group_sizes),
+                np.zeros(group_sizes.shape, jax.dtypes.float0))
+
+    gemm.defvjp(fwd, bwd)
+    return gemm
+
+
+def use_expert_gemm(name: str):
+    """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU jax's Pallas lowering where this
+    jax has it, else the tiled loop; on a CPU `ragged_dot`, whose lowering there is exact). Returns the name."""
+    import jax
+
+    global EXPERT_GEMM
+    if name == "auto":
+        name = "ragged_dot" if jax.default_backend() == "cpu" else \
+            "pallas" if ragged_dot_pallas_available() else "tiled"
+    if name == "pallas":  # read when each ragged_dot lowers, the backward's too: set for the whole run
+        if not ragged_dot_pallas_available():
+            raise ValueError("--experts-gemm pallas: this jax has no Pallas lowering of ragged_dot")
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    EXPERT_GEMM = name
+    return name
+
+
+EXPERT_GEMMS = ("auto", "ragged_dot", "pallas", "tiled", "tiled-dw")
+EXPERT_GEMM_NAMES = {"ragged_dot": "`jax.lax.ragged_dot` (XLA's lowering)",
+                     "pallas": "`jax.lax.ragged_dot` through jax's Pallas Triton lowering",
+                     "tiled": f"a loop of dense GEMMs over {TILE_ROWS}-row tiles",
+                     "tiled-dw": "`jax.lax.ragged_dot`, its weight gradient a loop of dense GEMMs over "
+                                 f"{TILE_ROWS}-row tiles"}
+EXPERT_GEMM = "ragged_dot"
 
 
 def xkern_moe(x, probs, ids, experts):
@@ -155,7 +286,12 @@ class Experts:
         self.num_experts, self.w13, self.w2 = num_experts, w13, w2
 
     def __call__(self, rows, group_sizes):
-        return rows if self.w13 is None else swiglu_experts(rows, self.w13, self.w2, group_sizes)
+        if self.w13 is None:  # materialised as the experts' GEMMs would need them: nothing fuses across
+            import jax
+
+            return jax.lax.optimization_barrier(rows)
+        gemm = tiled_gemm(EXPERT_GEMM == "tiled-dw") if EXPERT_GEMM.startswith("tiled") else None
+        return swiglu_experts(rows, self.w13, self.w2, group_sizes, gemm)
 
 
 def layer_step(path: str, top_k: int, num_experts: int):
@@ -460,16 +596,17 @@ def add_ratios_to(path: str, torch: list[dict]) -> int:
     add_ratios(results["rows"], torch)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    md = markdown(results["rows"], results["gpu"], results["xla_flags"])
+    md = markdown(results["rows"], results["gpu"], results["xla_flags"], results.get("experts_gemm", "ragged_dot"))
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(md + "\n")
     print(md)
     return 0 if any("vs_torch_xkern" in r for r in results["rows"]) else 1
 
 
-def markdown(rows: list[dict], device: str, xla_flags: str) -> str:
-    lines = [f"## MoE layer step (JAX) on {device} (fwd + bwd, bf16, jit; XLA_FLAGS `{xla_flags}`; FP32 reference: "
-             f"worst relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
+def markdown(rows: list[dict], device: str, xla_flags: str, experts_gemm: str) -> str:
+    lines = [f"## MoE layer step (JAX) on {device} (fwd + bwd, bf16, jit; XLA_FLAGS `{xla_flags}`; experts' grouped "
+             f"GEMM: {EXPERT_GEMM_NAMES.get(experts_gemm, experts_gemm)}, both paths; FP32 reference: worst "
+             f"relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
              "| size | part | path | µs | xkern / maxtext | / torch xkern | compiled peak MiB | FP32 reference | "
              "bitwise run-to-run | status |", "|---|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
@@ -487,6 +624,9 @@ def main(argv=None) -> int:
                         "*-moe-layer*.json files in --out)")
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
                         f"(default: {DEFAULT_XLA_FLAGS!r}; '' for none)")
+    parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
+                        "shared by both paths (default auto: jax's Pallas lowering of ragged_dot on a GPU where "
+                        "this jax has it, else the tiled loop; ragged_dot on a CPU)")
     parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
                         "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)
@@ -506,6 +646,7 @@ def main(argv=None) -> int:
 
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
+    experts_gemm = use_expert_gemm(args.experts_gemm)
     device = jax.devices()[0].device_kind if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
@@ -517,15 +658,15 @@ def main(argv=None) -> int:
         if out_dir:
             write_results(out_dir, device, "jax-moe-layer", args, {
                 "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                "ref_tol": REF_TOL, "xla_flags": xla_flags, "jax": jax.__version__, "complete": final,
-                "rows": rows}, markdown(rows, device, xla_flags), final)
+                "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm, "jax": jax.__version__,
+                "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm), final)
 
     rows = []
     for label, size in chosen_sizes(args, smoke).items():
         rows += run_size(label, size, lambda m: print(m, flush=True),
                          lambda partial, before=list(rows): save(before + partial))
     save(rows, final=True)
-    print("\n" + markdown(rows, device, xla_flags))
+    print("\n" + markdown(rows, device, xla_flags, experts_gemm))
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"].startswith("error") or r.get("ref_check", "pass")
                                                          != "pass" or r.get("bitwise_run_to_run") is False)]
     return 1 if bad else 0

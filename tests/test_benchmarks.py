@@ -483,6 +483,33 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
 
 
+@pytest.mark.parametrize("rows_by_ragged_dot", [False, True])
+def test_jax_moe_tiled_gemm_is_ragged_dot(rows_by_ragged_dot):
+    """The JAX MoE benchmark's tiled grouped GEMM (its experts where XLA's ragged_dot would expand to a dense
+    GEMM per expert) gives ragged_dot's result and gradients: groups empty, smaller than a tile, several tiles
+    long, and rows past the last group."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import jax_moe_layer
+
+    rng = np.random.default_rng(5)
+    gemm = jax_moe_layer.tiled_gemm(rows_by_ragged_dot)
+    for sizes in ([5, 0, 17, 3, 0, 40], [0, 0, 64], [64, 0, 0]):
+        gs = jnp.asarray(sizes, jnp.int32)
+        rows = sum(sizes) + 7
+        x, dy = (jnp.asarray(rng.standard_normal((rows, n)), jnp.float32) for n in (24, 40))
+        w = jnp.asarray(rng.standard_normal((len(sizes), 24, 40)), jnp.float32)
+        want, want_vjp = jax.vjp(lambda x, w, gs=gs: jax.lax.ragged_dot(x, w, gs), x, w)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jax_moe_layer, "TILE_ROWS", 16)
+            got, got_vjp = jax.vjp(lambda x, w, gs=gs: gemm(x, w, gs), x, w)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        for g, r in zip(got_vjp(dy), want_vjp(dy), strict=True):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="read on CPU's HLO: on a GPU XLA rewrites the GEMMs into "
                     "fusions and custom calls")
 @pytest.mark.parametrize("path", [pytest.param("xkern", marks=pytest.mark.slow), "maxtext"])
