@@ -101,6 +101,29 @@ def _host(results) -> list[str]:
             ""] + _table(["call", "shape", "xkern", "F.rms_norm", "xkern / F.rms_norm", "fastest other"], lines)
 
 
+def _jax_torch(path: str) -> list[str]:
+    """The JAX/torch table of `tools.jax_torch_profile` (both front ends by the profiler), where it ran."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        prof = json.load(f)
+    by = {}
+    for r in prof["rows"]:
+        if r.get("device_us"):
+            by.setdefault((r["op"], "×".join(map(str, r["shape"])), r["pass"]), {})[r["impl"]] = r["device_us"]
+    xla = "jax.jit (XLA)"
+    lines = [[op, shape, pass_, f"{t['xkern (torch)']:.2f}", f"{t['xkern (jax)']:.2f}",
+              f"{t['xkern (torch)'] / t['xkern (jax)']:.2f}", f"{t[xla]:.2f}" if xla in t else ""]
+             for (op, shape, pass_), t in by.items() if "xkern (torch)" in t and "xkern (jax)" in t]
+    if not lines:
+        return []
+    at = f" at {prof['commit'][:7]}" if prof.get("commit") else ""
+    return ["", f"JAX against torch on the shapes where the table above has JAX slowest, both by the profiler (device "
+            f"time per call, L2 flushed, bf16; `python -m tools.jax_torch_profile`{at}; torch / JAX below 1: JAX "
+            "slower):", ""] + \
+        _table(["op", "shape", "pass", "torch µs", "JAX µs", "torch / JAX", "jax.jit (XLA) µs"], lines)
+
+
 def section(json_path: str, readme_dir: str) -> str:
     with open(json_path) as f:
         results = json.load(f)
@@ -111,10 +134,11 @@ def section(json_path: str, readme_dir: str) -> str:
     out = [f"### {results['gpu']}", "",
            f"Commit {commit}, {results['date']}; {_versions(results.get('versions', {}))}. Copy ceiling "
            f"{results['ceiling']['gbps']:.0f} GB/s (device-to-device copy, bytes read + written)."]
+    if results.get("kernels_current") is False:  # an older set: one paragraph that points to it
+        return "\n".join(out[:2] + [f"{out[2]} {results.get('kernels_note', '')} Its tables: [{rel}.md]({rel}.md)."])\
+            + "\n"
     if results.get("kernels_note"):
         out += ["", results["kernels_note"]]
-    if results.get("kernels_current") is False:  # an older set: pointed to, not summarised as current
-        return "\n".join(out + ["", f"Its tables: [{rel}.md]({rel}.md)."]) + "\n"
     if os.path.exists(os.path.join(folder, f"{stem}-rms_norm.png")):
         out += ["", f"![RMSNorm on {results['gpu']}]({rel}-rms_norm.png)"]
     rs = _ratios(results["rows"])
@@ -140,6 +164,7 @@ def section(json_path: str, readme_dir: str) -> str:
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
     if named:
         out += ["", "Peers: " + "; ".join(named) + "."]
+    out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"))
     out += _host(results)
     links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
     for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),

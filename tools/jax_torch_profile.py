@@ -263,7 +263,7 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "jax_torch_ptxas.json"), "w") as f:
                 json.dump({"ptxas": rows, "stablehlo": ops}, f, indent=1)
         return 0
-    from benchmarks.machine import GPU  # noqa: I001 - first: sets the platform env on CPU
+    from benchmarks.machine import GPU, commit  # noqa: I001 - first: sets the platform env on CPU
     from benchmarks import timing
 
     timing.set_smoke(not GPU)
@@ -277,7 +277,10 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "jax_torch_profile.json"), "w") as f:
-            json.dump({"smoke": timing.smoke(), "rows": rows}, f, indent=1)
+            import torch
+
+            json.dump({"gpu": torch.cuda.get_device_name() if GPU else "cpu", "commit": commit(),
+                       "smoke": timing.smoke(), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "jax_torch_profile.txt"), "w") as f:
             f.write(report + "\n")
     return 0 if all("status" not in r for r in rows) else 1
