@@ -91,6 +91,8 @@ def _host(results) -> list[str]:
                   if (o_op, o_pass) == (op, pass_) and i not in ("xkern (torch)", "F.rms_norm")
                   and not i.startswith("floor")]
         fastest = min(others) if others else None
+        if native is None and fastest is None:  # nothing to compare with
+            continue
         lines.append([f"{op} {PASS_NAMES[pass_]}", str(h.get("shape", "")).removeprefix("x "), f"{h['wall_us']:.1f}",
                       f"{native['wall_us']:.1f}" if native else "",
                       f"{h['wall_us'] / native['wall_us']:.2f}" if native else "",
