@@ -15,8 +15,11 @@ The sizes, router and SwiGLU experts are those of `benchmarks/moe_layer.py` (the
   inverse permutation), `ragged_dot` with `bincount` group sizes, the unsort by `argsort(order)`, then the
   weighted sum over the k copies in FP32 (`einsum("tkh,tk->th")`), rounded once to bf16.
 The experts: `ragged_dot(x, W13 [E, H, 2I])` split into gate and up, `silu(gate) * up`, `ragged_dot(., W2 [E,
-I, H])` (weights in ragged_dot's layout, as MaxText keeps them). Both paths get the same weights, routing and
-cotangent; the step is `jax.vjp` of the layer against the fixed cotangent: dx and every weight's gradient.
+I, H])` (weights in ragged_dot's layout, as MaxText keeps them), through the grouped GEMM `--experts-gemm` names
+(`EXPERT_GEMMS`; on a GPU XLA's `ragged_dot` weight gradient expands per expert). Dispatch + combine alone runs
+identity experts behind an optimization barrier, so the permuted rows exist as the GEMMs would need them. Both
+paths get the same weights, routing and cotangent; the step is `jax.vjp` of the layer against the fixed
+cotangent: dx and every weight's gradient.
 
 Reported per size and path:
 - `us`: device time per step (`timing.jax_device_us`: the step inside one jitted `fori_loop`, host wall /
@@ -35,10 +38,8 @@ Reported per size and path:
   process run on the same machine (`--add-ratios JAX_JSON --torch-json TORCH_JSON` adds them afterwards).
 
 XLA: `--xla-flags` (default `--xla_gpu_autotune_level=0`) is added to XLA_FLAGS before jax loads: XLA's GEMM
-autotuner once asked for 65 GiB beside torch in one process. jax 0.10's GPU `ragged_dot` may lower to a dense
-GEMM masked per group (memory and flops times the expert count) unless cuDNN takes it
-(`--xla_gpu_experimental_use_ragged_dot_fusion=true`); both paths share that lowering, and the rows record
-the flags. Results: `<out>/<gpu>-jax-moe-layer[-<sizes>].json`, `.md` and `.png`, written after every row.
+autotuner once asked for 65 GiB beside torch in one process. The rows record the flags. Results:
+`<out>/<gpu>-jax-moe-layer[-<sizes>].json`, `.md` and `.png`, written after every row.
 """
 
 from __future__ import annotations
