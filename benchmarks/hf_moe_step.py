@@ -159,7 +159,8 @@ def run(layers: int, tokens: int, steps: int, smoke: bool, device: str, log) -> 
             row["status"] = timing.error_status(err)
         rows.append(row)
         log(f"hf qwen3-moe step, {path}: {row.get('step_ms', float('nan')):.1f} ms, peak "
-            f"{row.get('peak_mib') or float('nan'):.0f} MiB, FP32 reference {row.get('ref_check')} [{row['status']}]")
+            f"{row.get('peak_mib') or float('nan'):.0f} MiB, logits' relative L2 to the FP32 model "
+            f"{row.get('ref_rel_l2', {}).get('logits', float('nan')):.2e} [{row['status']}]")
         if device == "cuda":
             torch.cuda.empty_cache()
     judge(rows)
