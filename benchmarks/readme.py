@@ -103,8 +103,9 @@ def _host(results) -> list[str]:
             ""] + _table(["call", "shape", "xkern", "F.rms_norm", "xkern / F.rms_norm", "fastest other"], lines)
 
 
-def _jax_torch(path: str) -> list[str]:
-    """The JAX/torch table of `tools.jax_torch_profile` (both front ends by the profiler), where it ran."""
+def _jax_torch(path: str, rel: str) -> list[str]:
+    """One line from `tools.jax_torch_profile` (both front ends by the profiler) where it ran: the range of
+    torch / JAX over its shape-passes, the slowest named."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -113,17 +114,49 @@ def _jax_torch(path: str) -> list[str]:
     for r in prof["rows"]:
         if r.get("device_us"):
             by.setdefault((r["op"], "×".join(map(str, r["shape"])), r["pass"]), {})[r["impl"]] = r["device_us"]
-    xla = "jax.jit (XLA)"
-    lines = [[op, shape, pass_, f"{t['xkern (torch)']:.2f}", f"{t['xkern (jax)']:.2f}",
-              f"{t['xkern (torch)'] / t['xkern (jax)']:.2f}", f"{t[xla]:.2f}" if xla in t else ""]
-             for (op, shape, pass_), t in by.items() if "xkern (torch)" in t and "xkern (jax)" in t]
-    if not lines:
+    ratios = sorted((t["xkern (torch)"] / t["xkern (jax)"], f"{op} {shape} {pass_}") for (op, shape, pass_), t
+                    in by.items() if "xkern (torch)" in t and "xkern (jax)" in t)
+    if not ratios:
         return []
     at = f" at {prof['commit'][:7]}" if prof.get("commit") else ""
-    return ["", f"JAX against torch on the shapes where the table above has JAX slowest, both by the profiler (device "
-            f"time per call, L2 flushed, bf16; `python -m tools.jax_torch_profile`{at}; torch / JAX below 1: JAX "
-            "slower):", ""] + \
-        _table(["op", "shape", "pass", "torch µs", "JAX µs", "torch / JAX", "jax.jit (XLA) µs"], lines)
+    return ["", f"JAX against torch, both by the profiler (device time per call, L2 flushed; "
+            f"`python -m tools.jax_torch_profile`{at}, [its table]({rel}-jax-torch-profile.txt)), on the "
+            f"{len(ratios)} shape-passes where the table above has JAX slowest: torch / JAX {ratios[0][0]:.2f}–"
+            f"{ratios[-1][0]:.2f} (slowest: {ratios[0][1]}; below 1, JAX slower)."]
+
+
+def _moe(folder: str, stem: str) -> list[str]:
+    """The torch MoE layer step per size and part: xkern, each peer, xkern's peak memory beside the lowest peer's;
+    and the Hugging Face training step, where they ran."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(folder, f"{stem}-moe-layer-*.json"))):
+        with open(path) as f:
+            rows = [r for r in json.load(f)["rows"] if r.get("framework") == "torch" and r.get("status") == "ok"
+                    and r.get("ref_check") == "pass"]
+        for key in dict.fromkeys((r["size"], r["tokens"], r["part"]) for r in rows):
+            sel = {r["impl"]: r for r in rows if (r["size"], r["tokens"], r["part"]) == key}
+            if "xkern" not in sel or len(sel) < 2:
+                continue
+            x, peers = sel.pop("xkern"), sorted(sel.values(), key=lambda r: r["us"])
+            lines.append([f"{key[0]} (T={key[1]})", key[2], f"{x['us'] / 1000:.2f}",
+                          ", ".join(f"{r['impl']} {r['us'] / 1000:.2f}" for r in peers),
+                          f"{x['us'] / peers[0]['us']:.2f}",
+                          f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}"])
+    out = []
+    if lines:
+        out += ["", "MoE layer step, torch, forward + backward (ms; the paths within the FP32 reference's tolerance; "
+                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's):", ""]
+        out += _table(["size", "part", "xkern", "peers", "xkern / fastest", "peak MiB"], lines)
+    hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
+    if os.path.exists(hf):
+        with open(hf) as f:
+            by = {r["path"]: r for r in json.load(f)["rows"] if r.get("status") == "ok"}
+        if "xkern" in by and "grouped_mm" in by:
+            x, g = by["xkern"], by["grouped_mm"]
+            out += ["", f"Hugging Face Qwen3-MoE training step ({x['layers']} layers, {x['tokens']} tokens, AdamW): "
+                    f"xkern's experts {x['step_ms']:.1f} ms, transformers' grouped_mm {g['step_ms']:.1f} ms "
+                    f"({x['step_ms'] / g['step_ms']:.2f}x), peak {x['peak_mib']:.0f} / {g['peak_mib']:.0f} MiB."]
+    return out
 
 
 def section(json_path: str, readme_dir: str) -> str:
@@ -166,7 +199,8 @@ def section(json_path: str, readme_dir: str) -> str:
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
     if named:
         out += ["", "Peers: " + "; ".join(named) + "."]
-    out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"))
+    out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel)
+    out += _moe(folder, stem)
     out += _host(results)
     links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
     for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),

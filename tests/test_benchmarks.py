@@ -61,6 +61,26 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert f"[data]({path.stem}.json)" in section and results["gpu"] in section
 
 
+def test_readme_section_summarises_the_side_results(tmp_path):
+    """A GPU kind's README section sums up the JAX/torch profile and the MoE steps beside the main set, from the
+    JSON each wrote: ratios computed from the rows, a row failing its FP32 check left out."""
+    from benchmarks import readme
+
+    results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": []}
+    (tmp_path / "g.json").write_text(json.dumps(results))
+    prof = [{"op": "rms_norm", "shape": [8, 128], "pass": p, "impl": i, "device_us": us}
+            for p, i, us in (("fwd", "xkern (torch)", 10.0), ("fwd", "xkern (jax)", 12.5),
+                             ("bwd", "xkern (torch)", 9.0), ("bwd", "xkern (jax)", 9.0))]
+    (tmp_path / "g-jax-torch-profile.json").write_text(json.dumps({"commit": "abcdef123", "rows": prof}))
+    base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
+    moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
+           "peak_mib": 12.0}, {**base, "impl": "bad", "us": 1.0, "peak_mib": 1.0, "ref_check": "fail: out"}]
+    (tmp_path / "g-moe-layer-s.json").write_text(json.dumps({"rows": moe}))
+    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "torch / JAX 0.80–1.00 (slowest: rms_norm 8×128 fwd" in text and "at abcdef1" in text
+    assert "| s (T=64) | layer | 3.00 | liger 4.00 | 0.75 | 10 / 12 |" in text and "bad" not in text
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.block_profile` itself there")
 def test_block_profile_runs(tmp_path):
