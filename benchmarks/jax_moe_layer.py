@@ -130,8 +130,9 @@ def _tiles(group_sizes, rows: int, tile: int):
     return g, first, jnp.where(real, ends[g], rows)
 
 
-def _tiled_forward(x, w, group_sizes):
-    """out[r] = x[r] @ w[group of r] for rows inside the groups, 0 past them: one GEMM per row tile, in a loop."""
+def _tiled_forward(x, w, group_sizes, transposed: bool = False):
+    """out[r] = x[r] @ w[group of r] (`transposed`: @ w[group of r].T, no transposed copy of the weights) for rows
+    inside the groups, 0 past them: one GEMM per row tile, in a loop."""
     import jax
     import jax.numpy as jnp
 
@@ -141,13 +142,14 @@ def _tiled_forward(x, w, group_sizes):
     lane = jnp.arange(tile)[:, None]
 
     def body(i, out):
-        part = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, first[i], tile), w[g[i]],
-                       preferred_element_type=jnp.float32).astype(out.dtype)
+        part = jax.lax.dot_general(jax.lax.dynamic_slice_in_dim(xp, first[i], tile), w[g[i]],
+                                   (((1,), (1 if transposed else 0,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(out.dtype)
         keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(first[i] + lane < end[i], part, keep),
                                                    first[i], 0)
 
-    out = jnp.zeros((rows + tile, w.shape[-1]), x.dtype)
+    out = jnp.zeros((rows + tile, w.shape[1 if transposed else 2]), x.dtype)
     return jax.lax.fori_loop(0, g.shape[0], body, out)[:rows]
 
 
@@ -184,7 +186,10 @@ def tiled_gemm(rows_by_ragged_dot: bool = False):
     import jax
     import numpy as np
 
-    rows_gemm = jax.lax.ragged_dot if rows_by_ragged_dot else _tiled_forward
+    def rows_gemm(x, w, group_sizes, transposed=False):
+        if rows_by_ragged_dot:
+            return jax.lax.ragged_dot(x, w.swapaxes(1, 2) if transposed else w, group_sizes)
+        return _tiled_forward(x, w, group_sizes, transposed)
 
     @jax.custom_vjp
     def gemm(x, w, group_sizes):
@@ -195,7 +200,7 @@ def tiled_gemm(rows_by_ragged_dot: bool = False):
 
     def bwd(res, dy):
         x, w, group_sizes = res
-        return (rows_gemm(dy, w.swapaxes(1, 2), group_sizes), _tiled_weight_grad(x, dy, group_sizes),
+        return (rows_gemm(dy, w, group_sizes, transposed=True), _tiled_weight_grad(x, dy, group_sizes),
                 np.zeros(group_sizes.shape, jax.dtypes.float0))
 
     gemm.defvjp(fwd, bwd)
