@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The MoE layer benchmarks on one GPU at one size: the torch step (xkern, Liger's fused MoE, torchtitan,
+# plain), the JAX step (xkern against the MaxText-style path, in its own process) and, at the Qwen3-MoE size,
+# the Hugging Face training step. Each under its own time limit, logs and results in OUTDIR/<kind>/.
+# Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md):
+#   bash scripts/gpu_moe.sh OUTDIR [qwen3-moe|deepseek-v3]
+# Limits (s): TORCH_TIMEOUT 320, JAX_TIMEOUT 300, HF_TIMEOUT 150 (Qwen3-MoE on an H100: ~5 min in all).
+set -u
+OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
+SIZE=${2:-qwen3-moe}
+source "$(dirname "$0")/setup.sh"
+set +e
+OUT_KIND="$OUTDIR/$GPU_KIND"
+mkdir -p "$OUT_KIND"
+# XLA's Triton GEMM with its autotuner off took 580 us for the router GEMM that cuBLAS runs in 34: give the
+# GEMMs to cuBLAS where this XLA knows the flag (an unknown flag stops the process).
+FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_experimental_use_ragged_dot_fusion=true"
+XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
+  "$PY" -c "import jax.numpy as jnp; jnp.ones(1).block_until_ready()" > /dev/null 2>&1 \
+  && FLAGS="$FLAGS --xla_gpu_enable_triton_gemm=false"
+echo "# $(date -u +%FT%TZ) $GPU_KIND, $SIZE, XLA flags: $FLAGS"
+
+timeout "${TORCH_TIMEOUT:-320}" "$PY" -m benchmarks.moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
+  > "$OUT_KIND/moe-layer-$SIZE.log" 2>&1
+echo "torch moe_layer rc=$?"; grep -E "^$SIZE" "$OUT_KIND/moe-layer-$SIZE.log"
+
+# The experts' weight gradient by the tiled loop (XLA's ragged_dot expands it per expert); if the forward's
+# ragged_dot fails too, everything tiled.
+for GEMM in tiled-dw tiled; do
+  timeout "${JAX_TIMEOUT:-300}" "$PY" -m benchmarks.jax_moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
+    --experts-gemm "$GEMM" --xla-flags "$FLAGS" > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
+  echo "jax_moe_layer --experts-gemm $GEMM rc=$?"; grep -E "^$SIZE" "$OUT_KIND/jax-moe-layer-$SIZE.log"
+  grep -q "xkern layer.*\[ok\]" "$OUT_KIND/jax-moe-layer-$SIZE.log" && break
+done
+
+if [ "$SIZE" = qwen3-moe ]; then
+  timeout "${HF_TIMEOUT:-150}" "$PY" -m benchmarks.hf_moe_step --out "$OUT_KIND" > "$OUT_KIND/hf-moe-step.log" 2>&1
+  echo "hf_moe_step rc=$?"; grep -E "^hf " "$OUT_KIND/hf-moe-step.log"
+fi
