@@ -104,18 +104,14 @@ def _host(results) -> list[str]:
 
 
 def _jax_torch(path: str, rel: str) -> list[str]:
-    """One line from `tools.jax_torch_profile` (both front ends by the profiler) where it ran: the range of
-    torch / JAX over its shape-passes, the slowest named."""
+    """One line from `tools.jax_torch_profile`'s JSON (both front ends by the profiler) where it ran: the range
+    of torch / JAX over its shape-passes, the slowest named."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
         prof = json.load(f)
-    by = {}
-    for r in prof["rows"]:
-        if r.get("device_us"):
-            by.setdefault((r["op"], "×".join(map(str, r["shape"])), r["pass"]), {})[r["impl"]] = r["device_us"]
-    ratios = sorted((t["xkern (torch)"] / t["xkern (jax)"], f"{op} {shape} {pass_}") for (op, shape, pass_), t
-                    in by.items() if "xkern (torch)" in t and "xkern (jax)" in t)
+    ratios = sorted((p["torch_over_jax"], f"{p['op']} {'×'.join(map(str, p['shape']))} {p['pass']}")
+                    for p in prof.get("pairs", []))
     if not ratios:
         return []
     at = f" at {prof['commit'][:7]}" if prof.get("commit") else ""

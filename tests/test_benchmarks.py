@@ -68,10 +68,13 @@ def test_readme_section_summarises_the_side_results(tmp_path):
 
     results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": []}
     (tmp_path / "g.json").write_text(json.dumps(results))
+    from tools import jax_torch_profile
+
     prof = [{"op": "rms_norm", "shape": [8, 128], "pass": p, "impl": i, "device_us": us}
             for p, i, us in (("fwd", "xkern (torch)", 10.0), ("fwd", "xkern (jax)", 12.5),
                              ("bwd", "xkern (torch)", 9.0), ("bwd", "xkern (jax)", 9.0))]
-    (tmp_path / "g-jax-torch-profile.json").write_text(json.dumps({"commit": "abcdef123", "rows": prof}))
+    (tmp_path / "g-jax-torch-profile.json").write_text(json.dumps({"commit": "abcdef123", "rows": prof,
+                                                                   "pairs": jax_torch_profile.pairs(prof)}))
     base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}, {**base, "impl": "bad", "us": 1.0, "peak_mib": 1.0, "ref_check": "fail: out"}]

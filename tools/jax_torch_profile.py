@@ -86,6 +86,18 @@ def profile_case(op_name: str, shape, passes, device: str) -> list[dict]:
     return out
 
 
+def pairs(rows: list[dict]) -> list[dict]:
+    """Each shape-pass both front ends ran: their device time per call and torch's over JAX's (below 1: JAX is
+    slower). The JSON carries them, the README's line is read from there."""
+    by = {}
+    for row in rows:
+        if row.get("device_us") and row["impl"].startswith("xkern"):
+            by.setdefault((row["op"], tuple(row["shape"]), row["pass"]), {})[row["impl"]] = row["device_us"]
+    return [{"op": op, "shape": list(shape), "pass": pass_, "torch_us": t["xkern (torch)"], "jax_us": t["xkern (jax)"],
+             "torch_over_jax": t["xkern (torch)"] / t["xkern (jax)"]}
+            for (op, shape, pass_), t in by.items() if len(t) == 2]
+
+
 def text(rows: list[dict]) -> str:
     lines = []
     for row in rows:
@@ -99,15 +111,9 @@ def text(rows: list[dict]) -> str:
                      f"{row['host_issue_us']:.1f} µs, wall {row['host_wall_us']:.1f} µs; {row['input_sets']} set(s)")
         lines += [f"    {k['us']:8.2f} µs  x{k['count']:<4.3g} {k['cat']:<10} {k['name'][:100]}"
                   for k in row["kernels"]]
-    pairs = {}
-    for row in rows:
-        if row.get("device_us") and row["impl"].startswith("xkern"):
-            pairs.setdefault((row["op"], tuple(row["shape"]), row["pass"]), {})[row["impl"]] = row["device_us"]
     lines += ["", "JAX / torch, device time per call (torch µs / JAX µs: below 1, JAX is slower):"]
-    for (op, shape, pass_), by in pairs.items():
-        if len(by) == 2:
-            t, j = by["xkern (torch)"], by["xkern (jax)"]
-            lines.append(f"  {op} {'x'.join(map(str, shape))} {pass_}: torch {t:.2f} µs, JAX {j:.2f} µs, {t / j:.3f}")
+    lines += [f"  {p['op']} {'x'.join(map(str, p['shape']))} {p['pass']}: torch {p['torch_us']:.2f} µs, JAX "
+              f"{p['jax_us']:.2f} µs, {p['torch_over_jax']:.3f}" for p in pairs(rows)]
     return "\n".join(lines)
 
 
@@ -280,7 +286,7 @@ def main(argv=None) -> int:
             import torch
 
             json.dump({"gpu": torch.cuda.get_device_name() if GPU else "cpu", "commit": commit(),
-                       "smoke": timing.smoke(), "rows": rows}, f, indent=1)
+                       "smoke": timing.smoke(), "pairs": pairs(rows), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "jax_torch_profile.txt"), "w") as f:
             f.write(report + "\n")
     return 0 if all("status" not in r for r in rows) else 1
