@@ -156,10 +156,11 @@ def _gather_entries(device: str):
     shape = f"{t}×top-{P.TOP_K} rows, H {h} bf16"
 
     def index_put_inverse():
-        inv = torch.full((n,), -1, dtype=torch.int64, device=device)
-        valid = idx64 >= 0
-        inv[idx64[valid]] = torch.arange(n_pad, device=device)[valid]
-        return inv
+        # Padding slots write to a spare last row: a boolean mask would read its count back to the host, which
+        # no CUDA graph can capture (and a failed capture leaves torch's allocator holding every freed block).
+        inv = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
+        inv.index_put_((torch.where(idx64 >= 0, idx64, n),), torch.arange(n_pad, device=device))
+        return inv[:n]
 
     yield "permute_rows", "fwd", "xkern (torch)", shape, functools.partial(tp.permute_rows, x, idx)
     yield "permute_rows", "fwd", "torchtitan (vstack + index)", shape, functools.partial(P.prev_permute, x, idx,

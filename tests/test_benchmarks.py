@@ -398,7 +398,11 @@ def test_jax_calls_are_one_program_per_input_set():
             got, want = jax.tree_util.tree_leaves(call()), jax.tree_util.tree_leaves(want)
             assert len(got) == len(want)
             for a, b in zip(got, want):
-                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-2)
+                # Compiled as one program, XLA fuses and reorders the reductions the eager vjp runs op by op: dw's
+                # sums of bf16 products differ by a few ulps where terms cancel (7 ulps at one of 64 on an H100).
+                # Another input set's outputs differ at the scale of the outputs themselves.
+                b = np.asarray(b, np.float32)
+                np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0, atol=0.03 * np.abs(b).max())
 
 
 def test_jax_torch_table_compares_profile_times():
@@ -572,3 +576,21 @@ def test_hf_moe_step_runs_both_experts_paths(tmp_path):
     assert [r["path"] for r in rows] == list(hf_moe_step.PATHS)
     assert all(r["status"] == "ok" and r["ref_check"] == "pass" and r["step_ms"] > 0 for r in rows), rows
     assert all(0 < r["ref_rel_l2"]["experts_grads"] < hf_moe_step.REF_TOL for r in rows)
+
+
+def test_host_gather_peers_compute_what_xkern_computes():
+    """The host table's gather rows: each peer returns what the xkern row beside it returns (on the CPU, through
+    the interpreter), so the table times like for like; the inverse's peer writes no padding slot."""
+    import torch
+
+    from benchmarks import host
+
+    rows = {}
+    for op, _, impl, _, call in host._gather_entries("cpu"):
+        if not impl.startswith("floor"):  # the floors launch empty kernels
+            rows.setdefault(op, {})[impl] = call()
+    for op, impls in rows.items():
+        (ours,) = [v for k, v in impls.items() if k.startswith("xkern")]
+        for impl, got in impls.items():
+            if op in ("inverse_permutation", "unpermute_rows") or impl == "torchtitan (vstack + index)":
+                assert torch.equal(got.to(ours.dtype), ours), (op, impl)
