@@ -178,44 +178,95 @@ def _tiled_weight_grad(x, dy, group_sizes):
     return jax.lax.fori_loop(0, g.shape[0], body, (dw, acc))[0]
 
 
-@functools.cache
-def tiled_gemm(rows_by_ragged_dot: bool = False):
-    """`jax.lax.ragged_dot(x, w, group_sizes)` (rows past the groups 0) and its gradients, each a loop of dense
-    GEMMs over row tiles of `TILE_ROWS` (memory: one tile's product beyond the operands). `rows_by_ragged_dot`:
-    the forward and dx by `ragged_dot` itself (its group dimension not contracted), only dw by the loop."""
+def grouped_gemm(rows_gemm, weight_grad):
+    """`jax.lax.ragged_dot(x, w, group_sizes)` and its gradients from two kernels: `rows_gemm(x, w, group_sizes,
+    transposed)` (x[r] @ w[group of r], or @ its transpose, for dx) and `weight_grad(x, dy, group_sizes)` (each
+    group's x.T @ dy: the form whose contracted dimension is the ragged one)."""
     import jax
     import numpy as np
 
-    def rows_gemm(x, w, group_sizes, transposed=False):
-        if rows_by_ragged_dot:
-            return jax.lax.ragged_dot(x, w.swapaxes(1, 2) if transposed else w, group_sizes)
-        return _tiled_forward(x, w, group_sizes, transposed)
-
     @jax.custom_vjp
     def gemm(x, w, group_sizes):
-        return rows_gemm(x, w, group_sizes)
+        return rows_gemm(x, w, group_sizes, False)
 
     def fwd(x, w, group_sizes):
-        return rows_gemm(x, w, group_sizes), (x, w, group_sizes)
+        return rows_gemm(x, w, group_sizes, False), (x, w, group_sizes)
 
     def bwd(res, dy):
         x, w, group_sizes = res
-        return (rows_gemm(dy, w, group_sizes, transposed=True), _tiled_weight_grad(x, dy, group_sizes),
+        return (rows_gemm(dy, w, group_sizes, True), weight_grad(x, dy, group_sizes),
                 np.zeros(group_sizes.shape, jax.dtypes.float0))
 
     gemm.defvjp(fwd, bwd)
     return gemm
 
 
+@functools.cache
+def tiled_gemm(rows_by_ragged_dot: bool = False):
+    """The grouped GEMM as loops of dense GEMMs over row tiles of `TILE_ROWS` (memory: one tile's product beyond
+    the operands). `rows_by_ragged_dot`: the forward and dx by `ragged_dot` itself (its group dimension not
+    contracted), only dw by the loop."""
+    import jax
+
+    def rows_gemm(x, w, group_sizes, transposed):
+        if rows_by_ragged_dot:
+            return jax.lax.ragged_dot(x, w.swapaxes(1, 2) if transposed else w, group_sizes)
+        return _tiled_forward(x, w, group_sizes, transposed)
+
+    return grouped_gemm(rows_gemm, _tiled_weight_grad)
+
+
+# jax's Mosaic GPU kernels for Hopper (jax.experimental.pallas.ops.gpu): `ragged_dot` (TMA loads, wgmma, a
+# persistent grid over the SMs) and `transposed_ragged_dot` (the ragged dimension contracted: the weight
+# gradient). Blocks: 128 x 128 output tiles, 64-deep K steps, 4 in flight.
+MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def mgpu_kernels():
+    """(ragged_dot, transposed_ragged_dot) of jax's Mosaic GPU ops, or None where this jax lacks them."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    except ImportError:
+        return None
+    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+def mgpu_gemm():
+    """The grouped GEMM by jax's Mosaic GPU kernels. Their rows past the last group are left unwritten: masked to
+    0 here, as `ragged_dot` gives them (the xkern path's rows buffer has room for every expert's padding)."""
+    import inspect
+
+    import jax.numpy as jnp
+
+    rows_kernel, weight_kernel = mgpu_kernels()
+    takes_transpose = "transpose_rhs" in inspect.signature(rows_kernel).parameters
+
+    def rows_gemm(x, w, group_sizes, transposed):
+        if transposed and not takes_transpose:  # older kernels: a transposed copy of the weights
+            w, transposed = w.swapaxes(1, 2), False
+        out = rows_kernel(x, w, group_sizes=group_sizes, **MGPU_BLOCKS, **({"transpose_rhs": True} if transposed
+                                                                          else {}))
+        inside = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+        return jnp.where(inside, out, jnp.zeros((), out.dtype))
+
+    def weight_grad(x, dy, group_sizes):  # x: [rows, K] is the kernel's (K-contracted, M) operand as it lies
+        return weight_kernel(x, dy, group_sizes=group_sizes, **MGPU_BLOCKS)
+
+    return grouped_gemm(rows_gemm, weight_grad)
+
+
 def use_expert_gemm(name: str):
-    """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU jax's Pallas lowering where this
-    jax has it, else the tiled loop; on a CPU `ragged_dot`, whose lowering there is exact). Returns the name."""
+    """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU jax's Mosaic GPU kernels, else its
+    Pallas lowering, else the tiled loop, whichever this jax has first; on a CPU `ragged_dot`, whose lowering
+    there is exact). Returns the name."""
     import jax
 
     global EXPERT_GEMM
     if name == "auto":
-        name = "ragged_dot" if jax.default_backend() == "cpu" else \
+        name = "ragged_dot" if jax.default_backend() == "cpu" else "mgpu" if mgpu_kernels() else \
             "pallas" if ragged_dot_pallas_available() else "tiled"
+    if name == "mgpu" and mgpu_kernels() is None:
+        raise ValueError("--experts-gemm mgpu: this jax has no Mosaic GPU ragged_dot kernels")
     if name == "pallas":  # read when each ragged_dot lowers, the backward's too: set for the whole run
         if not ragged_dot_pallas_available():
             raise ValueError("--experts-gemm pallas: this jax has no Pallas lowering of ragged_dot")
@@ -224,8 +275,9 @@ def use_expert_gemm(name: str):
     return name
 
 
-EXPERT_GEMMS = ("auto", "ragged_dot", "pallas", "tiled", "tiled-dw")
+EXPERT_GEMMS = ("auto", "ragged_dot", "mgpu", "pallas", "tiled", "tiled-dw")
 EXPERT_GEMM_NAMES = {"ragged_dot": "`jax.lax.ragged_dot` (XLA's lowering)",
+                     "mgpu": "jax's Mosaic GPU ragged_dot and transposed_ragged_dot kernels (Hopper)",
                      "pallas": "`jax.lax.ragged_dot` through jax's Pallas Triton lowering",
                      "tiled": f"a loop of dense GEMMs over {TILE_ROWS}-row tiles",
                      "tiled-dw": "`jax.lax.ragged_dot`, its weight gradient a loop of dense GEMMs over "
@@ -301,7 +353,8 @@ class Experts:
             import jax
 
             return jax.lax.optimization_barrier(rows)
-        gemm = tiled_gemm(EXPERT_GEMM == "tiled-dw") if EXPERT_GEMM.startswith("tiled") else None
+        gemm = (tiled_gemm(EXPERT_GEMM == "tiled-dw") if EXPERT_GEMM.startswith("tiled") else
+                mgpu_gemm() if EXPERT_GEMM == "mgpu" else None)
         return swiglu_experts(rows, self.w13, self.w2, group_sizes, gemm)
 
 
@@ -636,8 +689,8 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
                         f"(default: {DEFAULT_XLA_FLAGS!r}; '' for none)")
     parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
-                        "shared by both paths (default auto: jax's Pallas lowering of ragged_dot on a GPU where "
-                        "this jax has it, else the tiled loop; ragged_dot on a CPU)")
+                        "shared by both paths (default auto, on a GPU: jax's Mosaic GPU kernels, else its Pallas "
+                        "lowering of ragged_dot, else the tiled loop, the first this jax has; ragged_dot on a CPU)")
     parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
                         "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)

@@ -594,3 +594,50 @@ def test_host_gather_peers_compute_what_xkern_computes():
         for impl, got in impls.items():
             if op in ("inverse_permutation", "unpermute_rows") or impl == "torchtitan (vstack + index)":
                 assert torch.equal(got.to(ours.dtype), ours), (op, impl)
+
+
+def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
+    """The JAX MoE benchmark's grouped GEMM by jax's Mosaic GPU kernels (Hopper only): with the two kernels
+    replaced by CPU references of their signatures (operands as they lie, transpose flag, block arguments, rows
+    past the groups left unwritten), its result and gradients are ragged_dot's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import jax_moe_layer
+
+    seen = []
+
+    def rows_kernel(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n,
+                    transpose_rhs=False):
+        seen.append(("rows", transpose_rhs, lhs.shape, rhs.shape))
+        out = jax.lax.ragged_dot(lhs, rhs.swapaxes(1, 2) if transpose_rhs else rhs, group_sizes)
+        return jnp.where(jnp.arange(lhs.shape[0])[:, None] < jnp.sum(group_sizes), out, jnp.nan)
+
+    def weight_kernel(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n):
+        seen.append(("weights", lhs.shape, rhs.shape))  # lhs (K, M): the rows contracted, as ragged
+        dims = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims)
+
+    import inspect
+
+    real = jax_moe_layer.mgpu_kernels()
+    if real is not None:  # this jax's kernels take the arguments as the stand-ins do
+        for kernel in real:
+            z = jnp.zeros((2, 2))
+            inspect.signature(kernel).bind(z, z, group_sizes=z, **jax_moe_layer.MGPU_BLOCKS)
+    monkeypatch.setattr(jax_moe_layer, "mgpu_kernels", lambda: (rows_kernel, weight_kernel))
+    gemm = jax_moe_layer.mgpu_gemm()
+    rng = np.random.default_rng(6)
+    sizes = [5, 0, 17, 3, 40]
+    gs = jnp.asarray(sizes, jnp.int32)
+    rows = sum(sizes) + 7
+    x, dy = (jnp.asarray(rng.standard_normal((rows, n)), jnp.float32) for n in (24, 40))
+    w = jnp.asarray(rng.standard_normal((len(sizes), 24, 40)), jnp.float32)
+    want, want_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs), x, w)
+    got, got_vjp = jax.vjp(lambda x, w: gemm(x, w, gs), x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for g, r in zip(got_vjp(dy), want_vjp(dy), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-3)
+    assert ("rows", True, (rows, 40), (5, 24, 40)) in seen  # dx: the weights read transposed, never copied
+    assert ("weights", (rows, 24), (rows, 40)) in seen
