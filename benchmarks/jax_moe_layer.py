@@ -722,7 +722,8 @@ def main(argv=None) -> int:
         if out_dir:
             write_results(out_dir, device, "jax-moe-layer", args, {
                 "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm, "jax": jax.__version__,
+                "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm,
+                "experts_gemm_name": EXPERT_GEMM_NAMES[experts_gemm], "jax": jax.__version__,
                 "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm), final)
 
     rows = []

@@ -37,6 +37,8 @@ PEERS = {
     "torchtitan (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
     "torchtitan (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
 }
+# The MoE benchmarks' path names, as the README's table shows them.
+MOE_PATHS = {"liger": "Liger fused MoE", "maxtext": "MaxText-style"}
 
 
 def _shape(row) -> str:
@@ -121,28 +123,40 @@ def _jax_torch(path: str, rel: str) -> list[str]:
             f"{ratios[-1][0]:.2f} (slowest: {ratios[0][1]}; below 1, JAX slower)."]
 
 
+def _moe_rows(path: str, framework: str):
+    """One MoE JSON's rows that ran and pass the FP32 reference, grouped by (size, tokens, part)."""
+    with open(path) as f:
+        res = json.load(f)
+    rows = [r for r in res["rows"] if r.get("framework", framework) == framework and r.get("status") == "ok"
+            and r.get("ref_check") == "pass"]
+    for key in dict.fromkeys((r["size"], r["tokens"], r["part"]) for r in rows):
+        yield res, key, {r["impl"]: r for r in rows if (r["size"], r["tokens"], r["part"]) == key}
+
+
 def _moe(folder: str, stem: str) -> list[str]:
-    """The torch MoE layer step per size and part: xkern, each peer, xkern's peak memory beside the lowest peer's;
-    and the Hugging Face training step, where they ran."""
-    lines = []
-    for path in sorted(glob.glob(os.path.join(folder, f"{stem}-moe-layer-*.json"))):
-        with open(path) as f:
-            rows = [r for r in json.load(f)["rows"] if r.get("framework") == "torch" and r.get("status") == "ok"
-                    and r.get("ref_check") == "pass"]
-        for key in dict.fromkeys((r["size"], r["tokens"], r["part"]) for r in rows):
-            sel = {r["impl"]: r for r in rows if (r["size"], r["tokens"], r["part"]) == key}
-            if "xkern" not in sel or len(sel) < 2:
-                continue
-            x, peers = sel.pop("xkern"), sorted(sel.values(), key=lambda r: r["us"])
-            lines.append([f"{key[0]} (T={key[1]})", key[2], f"{x['us'] / 1000:.2f}",
-                          ", ".join(f"{r['impl']} {r['us'] / 1000:.2f}" for r in peers),
-                          f"{x['us'] / peers[0]['us']:.2f}",
-                          f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}"])
+    """The MoE layer step per front end, size and part: xkern, each peer, xkern's peak memory beside the lowest
+    peer's, JAX's time over torch's; and the Hugging Face training step, where they ran."""
+    lines, gemms = [], set()
+    for framework, kind in (("torch", "moe-layer"), ("jax", "jax-moe-layer")):
+        for path in sorted(glob.glob(os.path.join(folder, f"{stem}-{kind}-*.json"))):
+            for res, key, sel in _moe_rows(path, framework):
+                if "xkern" not in sel or len(sel) < 2:
+                    continue
+                x, peers = sel.pop("xkern"), sorted(sel.values(), key=lambda r: r["us"])
+                if framework == "jax":
+                    gemms.add(res.get("experts_gemm_name") or res.get("experts_gemm", "?"))
+                lines.append([framework, f"{key[0]} (T={key[1]})", key[2], f"{x['us'] / 1000:.2f}",
+                              ", ".join(f"{MOE_PATHS.get(r['impl'], r['impl'])} {r['us'] / 1000:.2f}" for r in peers),
+                              f"{x['us'] / peers[0]['us']:.2f}",
+                              f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}",
+                              f"{x['vs_torch_xkern']:.2f}" if x.get("vs_torch_xkern") else ""])
     out = []
     if lines:
-        out += ["", "MoE layer step, torch, forward + backward (ms; the paths within the FP32 reference's tolerance; "
-                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's):", ""]
-        out += _table(["size", "part", "xkern", "peers", "xkern / fastest", "peak MiB"], lines)
+        out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
+                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's, compiled peaks for "
+                "JAX; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
+        out += _table(["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB",
+                       "JAX / torch (xkern)"], lines)
     hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
     if os.path.exists(hf):
         with open(hf) as f:
@@ -199,13 +213,13 @@ def section(json_path: str, readme_dir: str) -> str:
     out += _moe(folder, stem)
     out += _host(results)
     links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
-    for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),
-                          ("-jax-moe-layer.md", "JAX MoE layer")):
+    for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep")):
         if os.path.exists(os.path.join(folder, stem + suffix)):
             links.append(f"[{label}]({rel}{suffix})")
-    for md in sorted(glob.glob(os.path.join(folder, f"{stem}-moe-layer-*.md"))):
-        size = os.path.basename(md)[len(stem) + len("-moe-layer-"):-3]
-        links.append(f"[MoE layer, {size}]({os.path.relpath(md, readme_dir)})")
+    for kind, label in (("moe-layer", "MoE layer"), ("jax-moe-layer", "JAX MoE layer")):
+        for md in sorted(glob.glob(os.path.join(folder, f"{stem}-{kind}-*.md"))):
+            size = os.path.basename(md)[len(stem) + len(kind) + 2:-3]
+            links.append(f"[{label}, {size}]({os.path.relpath(md, readme_dir)})")
     out += ["", "More: " + ", ".join(links) + "."]
     return "\n".join(out) + "\n"
 

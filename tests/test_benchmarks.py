@@ -79,9 +79,20 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}, {**base, "impl": "bad", "us": 1.0, "peak_mib": 1.0, "ref_check": "fail: out"}]
     (tmp_path / "g-moe-layer-s.json").write_text(json.dumps({"rows": moe}))
+    jbase = {**base, "framework": "jax"}
+    jmoe = [{**jbase, "impl": "xkern", "us": 6000.0, "peak_mib": 20.0, "vs_torch_xkern": 2.0},
+            {**jbase, "impl": "maxtext", "us": 5000.0, "peak_mib": 15.0},
+            {**jbase, "part": "dispatch+combine", "impl": "xkern", "us": 1.0, "peak_mib": 1.0}]  # no peer: left out
+    (tmp_path / "g-jax-moe-layer-s.json").write_text(json.dumps({"rows": jmoe, "experts_gemm": "tiled",
+                                                                  "experts_gemm_name": "tiles of dense GEMMs"}))
     text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
     assert "torch / JAX 0.80–1.00 (slowest: rms_norm 8×128 fwd" in text and "at abcdef1" in text
-    assert "| s (T=64) | layer | 3.00 | liger 4.00 | 0.75 | 10 / 12 |" in text and "bad" not in text
+    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 |  |" in text
+    assert "| jax | s (T=64) | layer | 6.00 | MaxText-style 5.00 | 1.20 | 20 / 15 | 2.00 |" in text
+    assert "bad" not in text and "dispatch+combine" not in text and "tiles of dense GEMMs" in text
+    assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" not in text  # links only the tables that exist
+    (tmp_path / "g-jax-moe-layer-s.md").write_text("table")
+    assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" in readme.section(str(tmp_path / "g.json"), str(tmp_path))
 
 
 @pytest.mark.slow
