@@ -4,6 +4,7 @@ here first. Timings of a smoke run are not measurements; only that everything ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -652,3 +653,28 @@ def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-3)
     assert ("rows", True, (rows, 40), (5, 24, 40)) in seen  # dx: the weights read transposed, never copied
     assert ("weights", (rows, 24), (rows, 40)) in seen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.moe_probe` itself there")
+def test_moe_probe_checks_each_candidate_against_the_plan(monkeypatch, capsys):
+    """`tools.moe_probe` on CPU: each MoE row kernel runs with the plan's tile and another, both write every
+    element (poisoned first) and agree bit for bit; a candidate that leaves rows unwritten is reported and
+    fails the run."""
+    from tools import moe_probe
+
+    assert moe_probe.main(["--smoke"]) == 0
+    text = capsys.readouterr().out
+    for kernel in ("permute_rows(top_k)", "copy-sum", "weighted combine", "combine backward"):
+        assert f"smoke {kernel} BLOCK_M" in text and "(plan)" in text
+    assert "DIFFERS" not in text
+
+    real = moe_probe.candidates
+
+    def one_program(step, n_items):  # the plan, then the plan on a grid of one program: rows left unwritten
+        plan = next(real(step, n_items))
+        yield plan
+        yield dataclasses.replace(plan, grid=(1,), constexprs={**plan.constexprs, "BLOCK_M": 1})
+
+    monkeypatch.setattr(moe_probe, "candidates", one_program)
+    assert moe_probe.main(["--smoke"]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
