@@ -33,6 +33,24 @@ def gpu_lowering():
         _FORCE_GPU = saved
 
 
+def use_triton_ptxas() -> str:
+    """Put Triton's bundled ptxas first on PATH and return its directory. jaxlib assembles the PTX jax-triton
+    hands it with the first ptxas it finds (`./bin`, then PATH, then CUDA_HOME, /usr/local/cuda and the pip
+    CUDA packages; jaxlib 0.11), not Triton's: the same PTX then becomes other machine code than torch_api
+    launches (CUDA 13.0's ptxas: 214 registers against Triton's 254 for the 32768x128 backward). With Triton's
+    first, both front ends run the same binaries (the machine code byte for byte, checked on a CPU through
+    jaxlib 0.11.2's assembler). Call it before the process first runs an xkern kernel from JAX (jaxlib
+    assembles each kernel once, at its first launch); it changes PATH for the whole process."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.access(os.path.join(path, "ptxas"), os.X_OK):
+        raise FileNotFoundError(f"no executable ptxas in {path}: this triton build bundles none")
+    entries = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != path]
+    os.environ["PATH"] = os.pathsep.join([path, *entries])
+    return path
+
+
 def check_array(name: str, a) -> None:
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
         raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")

@@ -666,6 +666,7 @@ def test_moe_probe_checks_each_candidate_against_the_plan(monkeypatch, capsys):
     text = capsys.readouterr().out
     for kernel in ("permute_rows(top_k)", "copy-sum", "weighted combine", "combine backward"):
         assert f"smoke {kernel} BLOCK_M" in text and "(plan)" in text
+    assert "combine BLOCK_M 4 BLOCK_H 256 warps 4 TOP_K 2: ran" in text  # the unrolled loop: the same bits
     assert "DIFFERS" not in text
 
     real = moe_probe.candidates

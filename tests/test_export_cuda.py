@@ -93,3 +93,26 @@ def test_jax_gpu_path_exports_for_cuda():
 
 if __name__ == "__main__":
     print(json.dumps(_export_all()))
+
+
+def test_use_triton_ptxas_puts_tritons_assembler_first(monkeypatch, tmp_path):
+    """`jax_api.use_triton_ptxas()`: the `ptxas` a PATH search finds (jaxlib's assembler searches PATH before
+    the CUDA packages) is then Triton's own, the one torch_api's launches use; calling it again changes nothing."""
+    import shutil
+
+    import triton
+
+    import jax_api
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ptxas").write_text("#!/bin/sh\n")
+    (other / "ptxas").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert shutil.which("ptxas") == str(other / "ptxas")
+    path = jax_api.use_triton_ptxas()
+    assert path == os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    assert shutil.which("ptxas") == os.path.join(path, "ptxas")
+    once = os.environ["PATH"]
+    jax_api.use_triton_ptxas()
+    assert os.environ["PATH"] == once and once.split(os.pathsep).count(path) == 1

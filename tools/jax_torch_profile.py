@@ -4,16 +4,19 @@ benchmark's method: `timing.profile_device_us`), for torch_api, jax_api and XLA'
 records XLA's kernels too: its kernels listed here show it), beside the earlier methods (torch: CUDA graph
 under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time to issue one call.
 
-    python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick]
+    python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick] [--triton-ptxas]
     python3 -m tools.jax_torch_profile --ptxas [--out DIR]
+
+`--triton-ptxas`: JAX's kernels assembled by Triton's ptxas as torch's are (`jax_api.use_triton_ptxas()`),
+so both front ends run the same binaries; the JSON records which.
 
 `--ptxas` (no GPU needed; run where the GPU's jax is installed): the two front ends compile the same PTX
 (Triton's, the same specialization), but torch's launcher assembles it with Triton's bundled ptxas and
 jax-triton's custom call with XLA's ptxas (jaxlib's `CompileGpuAsm`, at first launch). For each RMSNorm
 kernel at 32768x128 bf16, every ptxas found: its version, registers and a hash of the SASS; a differing
-hash is machine code that differs between the front ends (XLA takes the pip CUDA packages' ptxas, then
-the toolkit's, then PATH's; `TRITON_PTXAS_PATH=<that ptxas>` gives torch's launches the same assembler, and
-Triton then writes the same PTX for both). Then the StableHLO that jax_api.rms_norm's
+hash is machine code that differs between the front ends (jaxlib 0.11's assembler takes the first ptxas
+of `./bin`, PATH, CUDA_HOME, /usr/local/cuda, the pip CUDA packages; `jax_api.use_triton_ptxas()` puts
+Triton's first). Then the StableHLO that jax_api.rms_norm's
 forward, backward and forward + backward lower to for CUDA (`jax.export`): every op, each kernel call by
 its kernel's name, so that any op around the kernels (a fill, copy, transpose, convert) shows.
 
@@ -122,8 +125,8 @@ def text(rows: list[dict]) -> str:
 
 
 def ptxas_found() -> dict:
-    """{label: path} of the ptxas binaries a process may use: Triton's (torch's launches) and those XLA looks
-    for (the pip CUDA packages, the CUDA toolkit, PATH)."""
+    """{label: path} of the ptxas binaries a process may use: Triton's (torch's launches) and those jaxlib looks
+    for, in its order (PATH, the CUDA toolkit, the pip CUDA packages)."""
     import glob
     import shutil
     import site
@@ -132,11 +135,12 @@ def ptxas_found() -> dict:
 
     found = {"triton (torch_api)": os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")}
     roots = site.getsitepackages() + [site.getusersitepackages()]
-    for path in sorted({p for root in roots for p in glob.glob(os.path.join(root, "nvidia", "*", "bin", "ptxas"))}):
-        found[f"pip {path.split(os.sep)[-3]} (XLA: searched first)"] = path
-    for label, path in (("CUDA toolkit", "/usr/local/cuda/bin/ptxas"), ("PATH", shutil.which("ptxas"))):
+    for label, path in (("PATH (jaxlib: searched first)", shutil.which("ptxas")),
+                        ("CUDA toolkit", "/usr/local/cuda/bin/ptxas")):
         if path and os.path.exists(path) and path not in found.values():
             found[label] = path
+    for path in sorted({p for root in roots for p in glob.glob(os.path.join(root, "nvidia", "*", "bin", "ptxas"))}):
+        found.setdefault(f"pip {path.split(os.sep)[-3]}", path)
     return {k: v for k, v in found.items() if os.path.exists(v)}
 
 
@@ -257,7 +261,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", choices=tuple(CASES), default="all")
     parser.add_argument("--ptxas", action="store_true", help="compare the ptxas binaries' machine code (no GPU; "
                         "run without TRITON_INTERPRET)")
+    parser.add_argument("--triton-ptxas", action="store_true", help="JAX's kernels assembled by Triton's ptxas "
+                        "(jax_api.use_triton_ptxas), as torch's are")
     args = parser.parse_args(argv)
+    jax_ptxas = "jaxlib's search (PATH, CUDA_HOME, /usr/local/cuda, pip CUDA packages)"
+    if args.triton_ptxas:
+        import jax_api
+
+        jax_ptxas = "Triton's: " + jax_api.use_triton_ptxas()
     if args.ptxas:
         rows = ptxas_rows()
         ops = hlo_ops()
@@ -286,7 +297,8 @@ def main(argv=None) -> int:
             import torch
 
             json.dump({"gpu": torch.cuda.get_device_name() if GPU else "cpu", "commit": commit(),
-                       "smoke": timing.smoke(), "pairs": pairs(rows), "rows": rows}, f, indent=1)
+                       "smoke": timing.smoke(), "jax_ptxas": jax_ptxas, "pairs": pairs(rows), "rows": rows}, f,
+                      indent=1)
         with open(os.path.join(args.out, "jax_torch_profile.txt"), "w") as f:
             f.write(report + "\n")
     return 0 if all("status" not in r for r in rows) else 1

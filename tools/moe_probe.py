@@ -5,9 +5,12 @@ candidate's time and its fraction of the copy ceiling over the bytes the kernel 
 row marked; every candidate's output is compared with the plan's bit for bit (the j-order FP32 sums do not
 depend on the tile).
 
-    python -m tools.moe_probe [--sizes qwen3-moe,deepseek-v3] [--out DIR]
+    python -m tools.moe_probe [--sizes qwen3-moe,deepseek-v3] [--kernels combine,...] [--out DIR]
 
-Candidates: rows per program (BLOCK_M) x columns per step (BLOCK_H) x warps; the plan's tile is
+Each candidate compiles once (about a second); 24 tiles, 48 for each combine: about 3 minutes a size.
+
+Candidates: rows per program (BLOCK_M) x columns per step (BLOCK_H) x warps, and for the combine its loop
+over the copies as a loop (TOP_K 0, the plan's) or unrolled (TOP_K = top_k); the plan's tile is
 `xkern.permute._row_tile` (16 KB per step, 8 warps at bf16 1024 columns).
 """
 
@@ -26,9 +29,9 @@ from benchmarks.moe_layer import SIZES, SMOKE_SIZE, layout, route
 from xkern import permute as XP
 from xkern.launch import bind, cdiv
 
-BLOCK_MS = (4, 8, 16, 32)
+BLOCK_MS = (4, 8, 16)
 BLOCK_HS = (256, 512, 1024, 2048)
-WARPS = (4, 8, 16)
+WARPS = (4, 8)
 
 
 def _dtype(name: str):
@@ -75,25 +78,31 @@ def op_steps(size: dict, device: str):
 
 
 def candidates(step, n_items: int):
-    """The plan's launch first, then every tile of BLOCK_MS x BLOCK_HS x WARPS that is not it."""
+    """The plan's launch first, then every tile of BLOCK_MS x BLOCK_HS x WARPS that is not it; for the
+    combine, each tile also with its loop over the copies unrolled (TOP_K = top_k)."""
     plan = step.launch
     yield plan
-    for bm, bh, w in itertools.product(BLOCK_MS, BLOCK_HS, WARPS):
-        if (bm, bh, w) != (plan.constexprs["BLOCK_M"], plan.constexprs["BLOCK_H"], plan.num_warps):
+    unroll = (0, step.scalars["top_k"]) if "TOP_K" in plan.constexprs else (None,)
+    for bm, bh, w, k in itertools.product(BLOCK_MS, BLOCK_HS, WARPS, unroll):
+        tile = {"BLOCK_M": bm, "BLOCK_H": bh, **({} if k is None else {"TOP_K": k})}
+        if (tile, w) != ({n: plan.constexprs[n] for n in tile}, plan.num_warps):
             yield dataclasses.replace(plan, grid=(max(1, cdiv(n_items, bm)),), num_warps=w,
-                                      constexprs={**plan.constexprs, "BLOCK_M": bm, "BLOCK_H": bh})
+                                      constexprs={**plan.constexprs, **tile})
 
 
-def probe(size_name: str, size: dict, device: str, smoke: bool) -> list[dict]:
+def probe(size_name: str, size: dict, device: str, smoke: bool, kernels: str | None = None) -> list[dict]:
     ceiling = timing.copy_ceiling()["gbps"] if device == "cuda" else None
     rows = []
     for name, step, arrays, nbytes in op_steps(size, device):
+        if kernels and not any(k in name for k in kernels.split(",")):
+            continue
         n_items = step.scalars.get("n_tokens") or step.scalars.get("n_rows") or step.scalars["n_slots"]
         outs = arrays[len(step.inputs):]
-        want = None
+        want, unrolled = None, False
         for i, cand in enumerate(candidates(step, n_items)):
-            if smoke and i > 1:
-                break
+            if smoke and i > 1 and (unrolled or not cand.constexprs.get("TOP_K")):
+                continue  # the smoke run: the plan, one other tile, one unrolled combine
+            unrolled |= bool(cand.constexprs.get("TOP_K"))
             for o in outs:  # poison: every element must be written again
                 o.fill_(float("nan")) if o.dtype.is_floating_point else o.fill_(-7)
             if name == "combine backward":
@@ -110,12 +119,14 @@ def probe(size_name: str, size: dict, device: str, smoke: bool) -> list[dict]:
                                    b.view(torch.uint8) if b.is_floating_point() else b) for a, b in zip(got, want))
             us = timing.do_bench_us(call) if device == "cuda" else None
             row = {"size": size_name, "kernel": name, "BLOCK_M": cand.constexprs["BLOCK_M"],
-                   "BLOCK_H": cand.constexprs["BLOCK_H"], "num_warps": cand.num_warps, "plan": i == 0,
+                   "BLOCK_H": cand.constexprs["BLOCK_H"], "num_warps": cand.num_warps,
+                   "TOP_K": cand.constexprs.get("TOP_K"), "plan": i == 0,
                    "bitwise_equal_plan": same, "us": us, "bytes": nbytes,
                    "frac": nbytes / us / 1e3 / ceiling if us and ceiling else None}
             rows.append(row)
             print(f"{size_name} {name} BLOCK_M {row['BLOCK_M']} BLOCK_H {row['BLOCK_H']} warps {row['num_warps']}"
-                  f"{' (plan)' if i == 0 else ''}: " + (f"{us:.1f} us, {row['frac']:.2f} of the ceiling" if us
+                  + (f" TOP_K {row['TOP_K']}" if row["TOP_K"] is not None else "")
+                  + f"{' (plan)' if i == 0 else ''}: " + (f"{us:.1f} us, {row['frac']:.2f} of the ceiling" if us
                                                          else "ran") + ("" if same else " DIFFERS"), flush=True)
     return rows
 
@@ -129,13 +140,15 @@ def best(rows: list[dict]) -> list[str]:
             plan, fast = sel[0], min(sel, key=lambda r: r["us"])
             out.append(f"{key[0]} {key[1]}: plan {plan['us']:.1f} us ({plan['frac']:.2f}), best {fast['us']:.1f} us "
                        f"({fast['frac']:.2f}) at BLOCK_M {fast['BLOCK_M']}, BLOCK_H {fast['BLOCK_H']}, "
-                       f"{fast['num_warps']} warps")
+                       f"{fast['num_warps']} warps" + (f", TOP_K {fast['TOP_K']}" if fast["TOP_K"] else ""))
     return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="qwen3-moe,deepseek-v3")
+    parser.add_argument("--kernels", help="only the kernels whose names contain one of these (comma-separated), "
+                        "e.g. combine")
     parser.add_argument("--smoke", action="store_true", help="the smoke size, the plan and one candidate (CPU)")
     parser.add_argument("--out", help="directory for moe_probe.json")
     args = parser.parse_args(argv)
@@ -143,7 +156,7 @@ def main(argv=None) -> int:
     sizes = {"smoke": SMOKE_SIZE} if args.smoke else {s: SIZES[s] for s in args.sizes.split(",")}
     rows = []
     for name, size in sizes.items():
-        rows += probe(name, size, device, args.smoke)
+        rows += probe(name, size, device, args.smoke, args.kernels)
         torch.cuda.empty_cache() if device == "cuda" else None
     for line in best(rows):
         print(line)

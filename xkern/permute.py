@@ -150,17 +150,33 @@ def _gather_token_rows_kernel(
     _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
 
 
+@triton.jit
+def _combine_copy(SRC, RAW, IDX, PROBS, copy, tok_mask, n_src_rows, src_row_stride, cols, col_mask,
+                  HAS_PROBS: tl.constexpr):
+    # One routed copy's term of `_combine_rows_kernel`, FP32: p * SRC[its slot], 0 where it has none.
+    slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+    ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
+    hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+    vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
+                   other=0.0).to(tl.float32)
+    if HAS_PROBS:
+        vals = vals * tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)[:, None]
+    return vals
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_src_rows", "src_row_stride", "top_k"])
 def _combine_rows_kernel(
     SRC, RAW, IDX, PROBS,
     n_tokens, n_cols, n_src_rows, src_row_stride, top_k,
     OUT,
     ROW_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, HAS_PROBS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, HAS_PROBS: tl.constexpr, TOP_K: tl.constexpr,
 ):
     # out[t] = sum_j p[t, j] * SRC[slot of copy t * top_k + j], FP32 in j order, one rounding. The slot is
     # RAW[copy] (`_scatter_inverse_kernel`'s output) if IDX names the copy there, as in
     # _gather_settled_rows_kernel: a dropped copy (no slot) adds 0. Without HAS_PROBS, p = 1 (PROBS unread).
+    # TOP_K 0: a loop of top_k steps, each waiting on its slot, index and row loads; TOP_K = top_k: the loop
+    # unrolled, every copy's loads free to be in flight together (the same sums, in the same order).
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
     src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -171,16 +187,14 @@ def _combine_rows_kernel(
         cols = start + tl.arange(0, BLOCK_H)
         col_mask = (cols < n_cols)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-        for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
-            copy = first + j
-            slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
-            ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
-            hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
-            vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
-                           other=0.0).to(tl.float32)
-            if HAS_PROBS:
-                vals = vals * tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)[:, None]
-            acc += vals
+        if TOP_K == 0:
+            for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
+                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
+                                     col_mask, HAS_PROBS)
+        else:
+            for j in tl.static_range(TOP_K):
+                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
+                                     col_mask, HAS_PROBS)
         tl.store(out_ptr + cols[None, :], acc.to(OUT.dtype.element_ty), mask=tok_mask[:, None] & col_mask)
 
 
@@ -397,7 +411,7 @@ def plan_combine(n_tokens: int, n_cols: int, elem_size: int, src_row_stride: int
     block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
     return Launch(_combine_rows_kernel, (max(1, cdiv(n_tokens, block_m)),), num_warps,
                   {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h,
-                   "HAS_PROBS": has_probs})
+                   "HAS_PROBS": has_probs, "TOP_K": 0})
 
 
 def plan_combine_bwd(n_slots: int, n_cols: int, elem_size: int, dout_row_stride: int, y_row_stride: int) -> Launch:
