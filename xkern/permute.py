@@ -187,10 +187,17 @@ def _combine_rows_kernel(
         cols = start + tl.arange(0, BLOCK_H)
         col_mask = (cols < n_cols)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-        if TOP_K == 0:
+        if TOP_K == 0:  # `_combine_copy` written out: through the call, 8 of the 90 binaries of this loop change
             for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
-                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
-                                     col_mask, HAS_PROBS)
+                copy = first + j
+                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
+                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+                vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :],
+                               mask=hit[:, None] & col_mask, other=0.0).to(tl.float32)
+                if HAS_PROBS:
+                    vals = vals * tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)[:, None]
+                acc += vals
         else:
             for j in tl.static_range(TOP_K):
                 acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
