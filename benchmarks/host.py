@@ -6,7 +6,8 @@ in rounds (median), so the host's drift falls on all of them alike. `wall_us` co
 (per call), `issue_us` stops before it (the host's time while the device keeps up), `device_us` is the
 call captured in a CUDA graph and replayed (`timing.torch_device_us`). Forward calls run without autograd
 (inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`,
-backward `torch.autograd.grad` through one kept forward. The floor: an empty `torch.library` custom op, an
+backward `torch.autograd.grad` through one kept forward. The fused add (`add_rms_norm`) and the MoE forms
+(`permute_rows(top_k)`, the weighted combine) beside their peers. The floor: an empty `torch.library` custom op, an
 empty Triton kernel launched by Triton and by xkern's launcher, an autograd.Function of (x, w) that only
 allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row).
 """
@@ -186,6 +187,60 @@ def _gather_entries(device: str):
         yield (op, "fwd", *_recipe_floor(ex, inputs))
 
 
+def _fused_add_entries(device: str):
+    """add_rms_norm, forward and forward + backward (both outputs' cotangents), at the RMSNorm rows' shape:
+    xkern and each peer of the fused-add table, and torch's native path (the add, then F.rms_norm)."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks import add_rms_norm as AR
+
+    x, w, dy, xg, wg = rms_inputs(device)
+    r = torch.randn_like(x)
+    rg = r.detach().requires_grad_()
+    shape = "x {}×{} bf16".format(*x.shape)
+
+    def native(x, r, w):
+        s = x + r
+        return F.rms_norm(s, (s.shape[-1],), w, RN.EPS), s
+
+    impls = {**AR.torch_impls(), "F.rms_norm": native}
+    impls.pop("torch.compile (xkern norm, fusion pass)")  # the compile path: its step is the compiled one's
+    for name, fn in impls.items():
+        if not callable(fn):
+            yield "add_rms_norm", "fwd", name, shape, fn
+            continue
+        yield "add_rms_norm", "fwd", name, shape, functools.partial(fn, x, r, w)
+        yield "add_rms_norm", "fwd+bwd", name, shape, \
+            lambda fn=fn: torch.autograd.grad(fn(xg, rg, wg), (xg, rg, wg), (dy, dy))
+
+
+def _moe_entries(device: str):
+    """The MoE forms: permute_rows(top_k) from the token rows and the weighted combine unpermute_rows(top_k,
+    probs), forward, against torchtitan's dispatch and combine (`benchmarks.moe_layer`), T tokens x top-8."""
+    import torch
+
+    import torch_api as tp
+    from benchmarks import moe_layer as ML
+
+    (t, h), k, e = HOST_TOKENS[device], P.TOP_K, 64
+    gen = torch.Generator(device=device).manual_seed(11)
+    x = torch.randn(t, h, generator=gen, device=device, dtype=torch.bfloat16)
+    probs, ids = ML.route(x, torch.randn(h, e, generator=gen, device=device, dtype=torch.bfloat16), k)
+    routing = ML.layout(ids, e)
+    slot_copy = routing[0]
+    y = torch.randn(slot_copy.numel(), h, generator=gen, device=device, dtype=torch.bfloat16)
+    flat = probs.to(torch.bfloat16)
+    shape = f"{t} tokens×top-{k}, H {h} bf16"
+    yield "permute_rows(top_k)", "fwd", "xkern (torch)", shape, functools.partial(tp.permute_rows, x, slot_copy,
+                                                                                   top_k=k)
+    yield "permute_rows(top_k)", "fwd", "torchtitan", shape, functools.partial(ML.torchtitan_dispatch, x, k, routing)
+    yield "unpermute_rows(top_k, probs)", "fwd", "xkern (torch)", shape, functools.partial(
+        tp.unpermute_rows, y, slot_copy, t * k, top_k=k, probs=flat)
+    yield "unpermute_rows(top_k, probs)", "fwd", "torchtitan", shape, functools.partial(
+        ML.torchtitan_combine, y, flat, routing)
+
+
 def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
     """(impl, shape, call): `executor` with every kernel replaced by an empty one launched through xkern's
     launcher: the call's allocations and launches, none of its Python around them (checks, cache lookup,
@@ -256,7 +311,7 @@ def host_table(device: str, log) -> list[dict]:
     """One row per (op, pass, implementation) plus the floor rows. Wall times are taken in turn
     (`timing.host_us_interleaved`), so every row of the table sees the same drift of the host."""
     rows, calls = [], {}
-    for entries in (_floor_entries, _rms_entries, _gather_entries):
+    for entries in (_floor_entries, _rms_entries, _fused_add_entries, _gather_entries, _moe_entries):
         try:
             for op, pass_, impl, shape, call in entries(device):
                 row = {"op": op, "pass": pass_, "impl": impl, "shape": shape}

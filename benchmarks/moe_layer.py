@@ -137,20 +137,35 @@ def xkern_path(x, probs, routing, run_experts):
 
 
 def torchtitan_path(x, probs, routing, run_experts):
+    return torchtitan_combine(run_experts(torchtitan_dispatch(x, probs.shape[1], routing)), probs, routing)
+
+
+def torchtitan_dispatch(x, k: int, routing):
+    """torchtitan's token rows into the padded layout: [max_len, H]."""
     import torch
 
     sorted_slot, order = routing[1], routing[2]
-    (t, h), k = x.shape, probs.shape[1]
+    t, h = x.shape
     routed = x[order // k]                                       # index gather, [T * k, H]
     pad = torch.where(sorted_slot >= 0, sorted_slot, t * k).long()
     padded_in = torch.vstack((routed, routed.new_zeros(1, h)))
-    y = run_experts(padded_in[pad])                              # the padding wrapper's gather
+    return padded_in[pad]                                        # the padding wrapper's gather
+
+
+def torchtitan_combine(y, probs, routing):
+    """torchtitan's way back: the padded rows y [max_len, H] scattered to the routed order, unsorted, and each
+    token's k rows summed with its probs in FP32: [T, H] in y's dtype."""
+    import torch
+
+    sorted_slot, order = routing[1], routing[2]
+    (t, k), h = probs.shape, y.shape[1]
+    pad = torch.where(sorted_slot >= 0, sorted_slot, t * k).long()
     back = y.new_empty(t * k + 1, h)
     back[pad] = y                                                # its scatter back (padding into the last row)
     routed_out = back[:-1]
     unsorted = torch.zeros(t * k, h, dtype=y.dtype, device=y.device)
     unsorted[order] = routed_out                                 # deterministic: each index once
-    return torch.bmm(probs.reshape(t, 1, k).float(), unsorted.reshape(t, k, h).float()).to(x.dtype).squeeze(1)
+    return torch.bmm(probs.reshape(t, 1, k).float(), unsorted.reshape(t, k, h).float()).to(y.dtype).squeeze(1)
 
 
 def plain_path(x, probs, routing, run_experts):

@@ -177,6 +177,10 @@ def test_host_tables_alone(tmp_path):
     timed = {(r["op"], r["pass"], r["impl"]) for r in results["host"] if "wall_us" in r}
     assert ("rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)") in timed
     assert ("rms_norm", "fwd+bwd", "xkern (torch)") in timed
+    for op, pass_, peer in (("add_rms_norm", "fwd+bwd", "F.rms_norm"), ("add_rms_norm", "fwd", "HF eager"),
+                            ("permute_rows(top_k)", "fwd", "torchtitan"),
+                            ("unpermute_rows(top_k, probs)", "fwd", "torchtitan")):
+        assert {(op, pass_, "xkern (torch)"), (op, pass_, peer)} <= timed, (op, pass_, peer)
     assert sum("wall_us" in b for b in results["block"]) == 6
 
 
@@ -591,21 +595,24 @@ def test_hf_moe_step_runs_both_experts_paths(tmp_path):
 
 
 def test_host_gather_peers_compute_what_xkern_computes():
-    """The host table's gather rows: each peer returns what the xkern row beside it returns (on the CPU, through
-    the interpreter), so the table times like for like; the inverse's peer writes no padding slot."""
+    """The host table's gather and MoE rows: each peer returns what the xkern row beside it returns (on the CPU,
+    through the interpreter), so the table times like for like; the inverse's peer writes no padding slot."""
     import torch
 
     from benchmarks import host
 
     rows = {}
-    for op, _, impl, _, call in host._gather_entries("cpu"):
+    for op, _, impl, _, call in [*host._gather_entries("cpu"), *host._moe_entries("cpu")]:
         if not impl.startswith("floor"):  # the floors launch empty kernels
             rows.setdefault(op, {})[impl] = call()
     for op, impls in rows.items():
         (ours,) = [v for k, v in impls.items() if k.startswith("xkern")]
         for impl, got in impls.items():
-            if op in ("inverse_permutation", "unpermute_rows") or impl == "torchtitan (vstack + index)":
+            if op in ("inverse_permutation", "unpermute_rows", "permute_rows(top_k)") or \
+                    impl == "torchtitan (vstack + index)":
                 assert torch.equal(got.to(ours.dtype), ours), (op, impl)
+            if op == "unpermute_rows(top_k, probs)":  # FP32 sums of k terms, each path in its own order
+                torch.testing.assert_close(got.float(), ours.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
