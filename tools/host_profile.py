@@ -45,6 +45,33 @@ def setup_device(device: str | None) -> str:
 
 
 @contextlib.contextmanager
+def cuda_allocations(device: str):
+    """Inside the block, executors built on the CPU allocate as they do on CUDA: the generated code's path
+    through the caching allocator's entry point (`_empty_strided_cpu`, the twin of the CUDA one: no
+    torch.empty argument parsing), which torch.empty would otherwise take on the CPU. Executors built in the
+    block are cached apart (`executor_cache`) and dropped after it."""
+    from torch_api import _launch
+
+    alloc = getattr(torch_guards(), "_empty_strided_cpu", None)
+    with _launch.executor_cache():
+        if device != "cpu" or alloc is None:
+            yield
+            return
+        saved = _launch._ALLOC, _launch._CURRENT_DEVICE
+        _launch._ALLOC, _launch._CURRENT_DEVICE = alloc, lambda: None  # a CPU tensor's device index is None
+        try:
+            yield
+        finally:
+            _launch._ALLOC, _launch._CURRENT_DEVICE = saved
+
+
+def torch_guards():
+    import torch
+
+    return torch._C._dynamo.guards
+
+
+@contextlib.contextmanager
 def stubbed_launches(launched: list | None = None):
     """Inside the block every eager xkern launch does nothing (appending its kernel's name to `launched`); the
     executors still allocate every output."""
@@ -203,10 +230,10 @@ def measure(device: str, loop: int, rounds: int, real: bool = False) -> list[dic
 
     from benchmarks import timing
 
-    table = entries(device)
-    calls = {(op, path, impl): call for (op, path), impls in table.items() for impl, call in impls.items()}
     sync = (lambda _: torch.cuda.synchronize()) if device == "cuda" else (lambda _: None)
-    with contextlib.nullcontext() if real else stubbed_launches():
+    with cuda_allocations(device), contextlib.nullcontext() if real else stubbed_launches():
+        table = entries(device)
+        calls = {(op, path, impl): call for (op, path), impls in table.items() for impl, call in impls.items()}
         got = timing.host_us_rounds(calls, sync, loop, rounds)
     rows = []
     for (op, path), impls in table.items():
@@ -243,8 +270,8 @@ def markdown(rows: list[dict]) -> str:
 def profile(device: str, key: str, calls: int, top: int, real: bool = False) -> str:
     """cProfile's `top` functions by own time over `calls` calls of path `key` ("op path") of xkern."""
     op, path = key.rsplit(" ", 1)
-    call = entries(device)[(op, path)]["xkern"]
-    with contextlib.nullcontext() if real else stubbed_launches():
+    with cuda_allocations(device), contextlib.nullcontext() if real else stubbed_launches():
+        call = entries(device)[(op, path)]["xkern"]
         for _ in range(50):
             call()
         prof = cProfile.Profile()
@@ -269,9 +296,6 @@ def main(argv: list[str] | None = None) -> None:
     device = setup_device(args.device)
     if args.real and device != "cuda":
         parser.error("--real launches kernels: CUDA only")
-    import torch
-
-    torch.set_num_threads(1)  # the CPU peer's compute on one thread, as the Python around it
     stub = "launches real" if args.real else "every xkern launch stubbed (a no-op; outputs allocated)"
     print(f"host µs per call on {device} ({stub}), {args.loop} calls in {args.rounds} rounds taken in turn; "
           "median of the rounds (min)\n")
@@ -282,4 +306,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)  # the CPU peer's compute on one thread, as the Python around it
     main()
