@@ -249,8 +249,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     layout whose rows collapse to one stride (else a copy). Differentiable in x, residual and weight; the
     backward returns one gradient, d(residual_out), for x and residual (the same tensor when their dtypes
     match, else converted to each)."""
-    if type(eps) is not float:  # a float before any cache lookup (xkern.launch.check_int says why)
-        eps = check_float("eps", eps)
+    eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
     how = eager(x, residual, weight)
     if how == DIRECT or how == AUTOGRAD:
         key = ("add_rms_norm_fwd", signature(x), signature(residual), signature(weight), eps, variant,

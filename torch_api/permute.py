@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from torch_api._launch import (
-    AUTOGRAD,
     DIRECT,
     REGISTERED,
     TRANSFORM,
@@ -175,17 +174,17 @@ def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, prob
 # probs, the combine's backward kernel. Both bilinear forms' derivatives are these same ops.
 
 
-def _save(ctx, tensors, **attrs):
+def _save(ctx, tensors, num_rows: int, top_k: int):
     ctx.save_for_backward(*tensors)
     if forward_mode():
         ctx.save_for_forward(*tensors)
-    ctx.__dict__.update(attrs)
+    ctx.num_rows, ctx.top_k = num_rows, top_k
 
 
 def _save_permute(ctx, inputs, output):
-    x, idx, *top_k = inputs
-    top_k = top_k[0] if top_k else 1
-    _save(ctx, (idx,), num_rows=x.shape[0] * top_k, top_k=top_k)
+    x, idx = inputs[:2]
+    top_k = inputs[2] if len(inputs) > 2 else 1
+    _save(ctx, (idx,), x.shape[0] * top_k, top_k)
 
 
 def _permute_backward(ctx, dout):
@@ -201,7 +200,7 @@ def _permute_jvp(ctx, tx, *_):
 def _save_unpermute(ctx, inputs, output):
     y, idx, num_rows, *rest = inputs
     top_k, probs = rest if rest else (1, None)
-    _save(ctx, (y if probs is not None else None, idx, probs), num_rows=num_rows, top_k=top_k)
+    _save(ctx, (y if probs is not None else None, idx, probs), num_rows, top_k)
 
 
 def _unpermute_backward(ctx, dout):
@@ -223,7 +222,7 @@ def _unpermute_jvp(ctx, ty, _, __, ___=None, tprobs=None):
 
 def _save_combine_bwd(ctx, inputs, output):
     dout, y, idx, probs, num_rows, top_k = inputs
-    _save(ctx, (dout, y, idx, probs), num_rows=num_rows, top_k=top_k)
+    _save(ctx, (dout, y, idx, probs), num_rows, top_k)
 
 
 def _combine_bwd_backward(ctx, g_dy, g_dprobs):
@@ -356,28 +355,28 @@ def _permute(x, idx, top_k: int):
     how = eager(x, idx)
     if how == DIRECT:
         return _permute_eager(x, idx, top_k)
-    if how == AUTOGRAD or how == TRANSFORM and not functorch_active():
-        return _apply_permute(x, idx, top_k)
-    if how == TRANSFORM:
+    if how == REGISTERED:
+        _check_permute(x, idx)
+        if top_k == 1:
+            return torch.ops.xkern.permute_rows(x, idx)
+        return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+    if how == TRANSFORM and functorch_active():
         return _Permute.apply(x, idx, top_k)
-    _check_permute(x, idx)
-    if top_k == 1:
-        return torch.ops.xkern.permute_rows(x, idx)
-    return torch.ops.xkern.permute_token_rows(x, idx, top_k)
+    return _apply_permute(x, idx, top_k)
 
 
 def _unpermute(y, idx, num_rows: int, top_k: int, probs):
     how = eager(y, idx, probs)
     if how == DIRECT:
         return _unpermute_eager(y, idx, num_rows, top_k, probs)
-    if how == AUTOGRAD or how == TRANSFORM and not functorch_active():
-        return _apply_unpermute(y, idx, num_rows, top_k, probs)
-    if how == TRANSFORM:
+    if how == REGISTERED:
+        _check_unpermute(y, idx, num_rows, top_k, probs)
+        if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
+            return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
+        return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    if how == TRANSFORM and functorch_active():
         return _Unpermute.apply(y, idx, num_rows, top_k, probs)
-    _check_unpermute(y, idx, num_rows, top_k, probs)
-    if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
-        return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
-    return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
+    return _apply_unpermute(y, idx, num_rows, top_k, probs)
 
 
 def _combine_grads(dout, y, idx, probs, num_rows, top_k):

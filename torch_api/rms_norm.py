@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from torch_api._launch import (
-    AUTOGRAD,
     DIRECT,
+    REGISTERED,
     TRANSFORM,
     Executor,
     aligned_weight,
@@ -303,14 +303,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     (Llama4's L2 norm). variant: the math around `normed = x.float() * rsqrt(...)`: "llama" (above),
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
-    if type(eps) is not float:  # a float before any cache lookup (xkern.launch.check_int says why)
-        eps = check_float("eps", eps)
+    eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
     how = eager(x, weight)
     if how == DIRECT:
         return _forward(x, weight, eps, variant)
-    if how == AUTOGRAD or how == TRANSFORM and not functorch_active():
-        return _apply_rms_norm(x, weight, eps, variant)
-    if how == TRANSFORM:
+    if how == REGISTERED:
+        variant = _check(x, weight, eps, variant)
+        return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
+    if how == TRANSFORM and functorch_active():
         return _RMSNormFunction.apply(x, weight, eps, variant)
-    variant = _check(x, weight, eps, variant)
-    return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
+    return _apply_rms_norm(x, weight, eps, variant)
