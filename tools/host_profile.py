@@ -4,8 +4,9 @@ Python path alone (checks, cache lookup, autograd, allocations), beside torch's 
     python -m tools.host_profile [--device cpu|cuda] [--loop 20000] [--rounds 5] [--profile PATH] [--top 25]
 
 Every xkern launch is a no-op (`_Launcher.__call__`: the outputs are allocated, no kernel runs), so it runs on
-a CPU machine (Triton's interpreter is switched on, never entered) as well as on a GPU (`--real` there keeps
-the launches). Per path (forward; forward + backward through `torch.autograd.grad`; backward alone, through
+a CPU machine (Triton's interpreter is switched on, never entered; the executors allocate through the CPU
+twin of the CUDA path's allocator entry, as on a GPU) as well as on a GPU (`--real` there keeps the
+launches). Per path (forward; forward + backward through `torch.autograd.grad`; backward alone, through
 one kept forward) it prints µs per call, taken in rounds in turn (`benchmarks.timing.host_us_rounds`: a tight
 loop, one synchronize), for:
 - xkern: the public function (`torch_api.rms_norm`, ...) on plain tensors, inputs from
@@ -13,7 +14,8 @@ loop, one synchronize), for:
 - torch: the native peer (`F.rms_norm`; on the CPU it computes, its time is not a floor);
 - floor: an autograd.Function (C++ apply, as xkern's) whose forward and backward only allocate the outputs
   xkern's executors allocate, the same way (the executors' generated code, launches no-ops), and save
-  nothing: what any Python-defined op with these outputs pays torch. xkern − floor is xkern's own Python.
+  nothing: what any Python-defined op with these outputs pays torch (the forward alone: the allocations).
+  xkern − floor is xkern's own Python, with the saving of its inputs for the backward (~0.5 µs on a CPU).
 `--profile PATH` (e.g. "rms_norm fwd+bwd") adds cProfile's top functions of that path's xkern call.
 """
 
@@ -50,9 +52,11 @@ def cuda_allocations(device: str):
     through the caching allocator's entry point (`_empty_strided_cpu`, the twin of the CUDA one: no
     torch.empty argument parsing), which torch.empty would otherwise take on the CPU. Executors built in the
     block are cached apart (`executor_cache`) and dropped after it."""
+    import torch
+
     from torch_api import _launch
 
-    alloc = getattr(torch_guards(), "_empty_strided_cpu", None)
+    alloc = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None)
     with _launch.executor_cache():
         if device != "cpu" or alloc is None:
             yield
@@ -63,12 +67,6 @@ def cuda_allocations(device: str):
             yield
         finally:
             _launch._ALLOC, _launch._CURRENT_DEVICE = saved
-
-
-def torch_guards():
-    import torch
-
-    return torch._C._dynamo.guards
 
 
 @contextlib.contextmanager
