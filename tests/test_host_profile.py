@@ -12,8 +12,9 @@ from tools import host_profile as hp
 
 
 def test_table_has_every_path_with_its_floor_and_peer(capsys):
-    """The CLI prints one row per op and path with xkern's, the floor's and torch's µs, and a profile."""
-    hp.main(["--device", DEVICE, "--loop", "4", "--rounds", "1", "--profile", "rms_norm fwd", "--top", "5"])
+    """The CLI prints one row per op and path with xkern's, the floor's and torch's µs, rms_norm's steps and a
+    profile."""
+    hp.main(["--device", DEVICE, "--loop", "4", "--rounds", "1", "--parts", "--profile", "rms_norm fwd", "--top", "5"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [(r[0].strip("| "), r[1]) for r in rows] == [
@@ -22,6 +23,8 @@ def test_table_has_every_path_with_its_floor_and_peer(capsys):
         ours, floor, peer = (float(row[i].split(" (")[0]) for i in (2, 3, 6))
         assert ours > 0 and floor > 0 and peer > 0, row
     assert "cProfile, xkern rms_norm fwd" in out and "rms_norm.py" in out
+    steps = [line for line in out.split("taken apart")[1].split("cProfile")[0].splitlines() if "  " in line]
+    assert len(steps) == 10 and all(float(line.split()[0]) > 0 for line in steps), steps
 
 
 def test_stubbed_calls_launch_nothing_and_allocate_every_output():

@@ -1,7 +1,8 @@
 """Where an eager torch call of xkern spends the host's time, with every kernel launch stubbed out: the
 Python path alone (checks, cache lookup, autograd, allocations), beside torch's own floor for the same work.
 
-    python -m tools.host_profile [--device cpu|cuda] [--loop 20000] [--rounds 5] [--profile PATH] [--top 25]
+    python -m tools.host_profile [--device cpu|cuda] [--loop 20000] [--rounds 5] [--real] [--parts]
+                                 [--profile PATH] [--top 25]
 
 Every xkern launch is a no-op (`_Launcher.__call__`: the outputs are allocated, no kernel runs), so it runs on
 a CPU machine (Triton's interpreter is switched on, never entered; the executors allocate through the CPU
@@ -16,7 +17,8 @@ loop, one synchronize), for:
   xkern's executors allocate, the same way (the executors' generated code, launches no-ops), and save
   nothing: what any Python-defined op with these outputs pays torch (the forward alone: the allocations).
   xkern − floor is xkern's own Python, with the saving of its inputs for the backward (~0.5 µs on a CPU).
-`--profile PATH` (e.g. "rms_norm fwd+bwd") adds cProfile's top functions of that path's xkern call.
+`--profile PATH` (e.g. "rms_norm fwd+bwd") adds cProfile's top functions of that path's xkern call, `--parts`
+rms_norm's eager path timed step by step.
 """
 
 from __future__ import annotations
@@ -265,6 +267,48 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def parts(device: str, loop: int, rounds: int, real: bool = False) -> list[tuple[str, float]]:
+    """(step, µs per call, the min over the rounds) of rms_norm's eager path taken apart, on cached
+    signatures: the steps of a forward without autograd, then those of the backward, each executor beside
+    its generated run alone (the allocations and launches: the floor's share)."""
+    import torch
+
+    import torch_api
+    from benchmarks import timing
+    from benchmarks.host import rms_inputs
+    from benchmarks.rms_norm import EPS
+    from torch_api import _launch
+
+    rn = sys.modules["torch_api.rms_norm"]  # the module (torch_api.rms_norm is also the function)
+    x, w, dy, xg, wg = rms_inputs(device)
+    sync = (lambda _: torch.cuda.synchronize()) if device == "cuda" else (lambda _: None)
+    with cuda_allocations(device), contextlib.nullcontext() if real else stubbed_launches():
+        y = torch_api.rms_norm(xg, wg, EPS)
+        torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)  # both executors built
+        key = ("rms_norm_fwd", _launch.signature(x), _launch.signature(w), EPS, "llama")
+        fwd = _launch.cached(key, None)
+        bwd_key = ("rms_norm_bwd", _launch.signature(dy), _launch.signature(x), _launch.signature(w), EPS, "llama")
+        bwd = _launch.cached(bwd_key, None)
+        steps = {
+            "rms_norm(x, w): the whole forward, no autograd": functools.partial(torch_api.rms_norm, x, w, EPS),
+            "  eager(x, w): how the call runs": functools.partial(_launch.eager, x, w),
+            "  the key: two signatures": lambda: ("rms_norm_fwd", _launch.signature(x), _launch.signature(w), EPS,
+                                                  "llama"),
+            "  cached(key): the lookup": functools.partial(_launch.cached, key, None),
+            "  the executor: in-place check, allocation, launch": functools.partial(fwd, x, w),
+            "    its generated run: allocation, launch (the floor)": functools.partial(fwd.run.run, x, w),
+            "backward of a kept forward: torch.autograd.grad": lambda: torch.autograd.grad(y, (xg, wg), dy,
+                                                                                          retain_graph=True),
+            "  the key: three signatures": lambda: ("rms_norm_bwd", _launch.signature(dy), _launch.signature(x),
+                                                    _launch.signature(w), EPS, "llama"),
+            "  _backward_direct: key, lookup, executor": functools.partial(rn._backward_direct, dy, x, w, EPS,
+                                                                           "llama"),
+            "    its generated run: 3 allocations, 2 launches (the floor)": functools.partial(bwd.run.run, x, w, dy),
+        }
+        got = timing.host_us_rounds(steps, sync, loop, rounds)
+    return [(name, min(wall for wall, _ in got[name])) for name in steps]
+
+
 def profile(device: str, key: str, calls: int, top: int, real: bool = False) -> str:
     """cProfile's `top` functions by own time over `calls` calls of path `key` ("op path") of xkern."""
     op, path = key.rsplit(" ", 1)
@@ -290,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--real", action="store_true", help="keep the launches (CUDA only)")
     parser.add_argument("--profile", metavar="PATH", help='e.g. "rms_norm fwd+bwd": cProfile of that xkern call')
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--parts", action="store_true", help="rms_norm's eager path taken apart, step by step")
     args = parser.parse_args(argv)
     device = setup_device(args.device)
     if args.real and device != "cuda":
@@ -298,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host µs per call on {device} ({stub}), {args.loop} calls in {args.rounds} rounds taken in turn; "
           "median of the rounds (min)\n")
     print(markdown(measure(device, args.loop, args.rounds, args.real)))
+    if args.parts:
+        print("\nrms_norm's eager path taken apart (µs per call, min of the rounds):\n")
+        print("\n".join(f"{us:8.2f}  {name}" for name, us in parts(device, args.loop, args.rounds, args.real)))
     if args.profile:
         print(f"\ncProfile, xkern {args.profile}, {args.loop} calls:\n")
         print(profile(device, args.profile, args.loop, args.top, args.real))
