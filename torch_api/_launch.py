@@ -51,15 +51,34 @@ _peek_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def eager(*tensors: torch.Tensor | None) -> bool:
-    """Whether an eager call may launch directly (a cached `Executor`) rather than through the registered op:
-    plain tensors (None: an absent optional input), not being compiled or traced, no dispatch mode active.
-    Under a functorch transform the op's autograd.Function takes the call (its forward then sees plain
-    tensors)."""
+# How an eager call runs (`eager`). Not eager is 0 (falsy): `if eager(...)` reads "may launch directly".
+REGISTERED = 0  # the registered op: compiled or traced, a tensor subclass, a dispatch mode
+DIRECT = 1      # the executor, no autograd: nothing requires grad, no transform
+AUTOGRAD = 2    # the op's autograd.Function through the C++ apply (`fast_apply`)
+TRANSFORM = 3   # forward-mode AD or a functorch transform is active: the Function's `jvp` or `vmap` may run
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def eager(*tensors: torch.Tensor | None) -> int:
+    """How an eager call runs, in one pass over its tensors (None: an absent optional input): REGISTERED
+    (falsy) unless they are plain tensors, not being compiled or traced, no dispatch mode active; then
+    TRANSFORM under forward-mode AD or a functorch transform (the op's autograd.Function takes the call: its
+    forward then sees plain tensors), AUTOGRAD where grad mode is on and a tensor requires grad, else DIRECT
+    (a cached `Executor`)."""
+    grad = _grad_enabled()
+    needs = False
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
-            return False
-    return not torch.compiler.is_compiling() and not _dispatch_modes()
+        if t is not None:
+            if type(t) not in _PLAIN:
+                return REGISTERED
+            if grad and t.requires_grad:
+                needs = True
+    if _is_compiling() or _dispatch_modes():
+        return REGISTERED
+    if forward_ad._current_level >= 0 or _peek_functorch() is not None:
+        return TRANSFORM
+    return AUTOGRAD if needs else DIRECT
 
 
 def functorch_active() -> bool:

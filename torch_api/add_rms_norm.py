@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 
 from torch_api._launch import (
+    AUTOGRAD,
+    DIRECT,
     Executor,
     aligned_weight,
     cached,
@@ -34,7 +36,6 @@ from torch_api._launch import (
     flat_weight,
     forward_mode,
     functorch_active,
-    needs_autograd,
     readable,
     register_op,
     rows_layout,
@@ -167,12 +168,15 @@ class _Forward:
                                          dtype_name(residual.dtype), dtype_or_none(weight), self.res_name,
                                          x_row_stride, r_row_stride, self.variant)
         self.run = Executor(recipe, ("x", "r", "w"), {"y": x.shape, "residual_out": x.shape})
+        # On a hit, in place where the signature allows and the addresses are aligned (as rms_norm's _Forward)
+        self.in_place = not self.copy_x and not self.copy_r and flat_weight(weight) is weight
 
     def __call__(self, x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
-        x = readable(x, self.copy_x)
-        residual = readable(residual, self.copy_r)
-        weight = aligned_weight(weight)
-        y, res = self.run.run(x, residual, weight)
+        if self.in_place and not (x.data_ptr() | residual.data_ptr()
+                                  | (0 if weight is None else weight.data_ptr())) & 15:
+            y, res = self.run.run(x, residual, weight)
+        else:
+            y, res = self.run.run(readable(x, self.copy_x), readable(residual, self.copy_r), aligned_weight(weight))
         return y, res
 
 
@@ -188,12 +192,15 @@ class _Backward:
                                          res.shape[-1], dy_row_stride, dres_row_stride, variant=variant)
         shapes = {"dx": res.shape, "dw": weight.shape if weight is not None else (0,)}
         self.run = Executor(recipe, ("x", "w", "dy", "dres"), shapes)
+        self.in_place = not self.copy_dy and not self.copy_dres and flat_weight(weight) is weight
 
     def __call__(self, dy, dres, res, weight):
-        dy = readable(dy, self.copy_dy)
-        dres = readable(dres, self.copy_dres)
-        weight = aligned_weight(weight)
-        dsum, dw = self.run.run(res, weight, dy, dres)
+        if self.in_place and not (dy.data_ptr() | (0 if dres is None else dres.data_ptr())
+                                  | (0 if weight is None else weight.data_ptr())) & 15:
+            dsum, dw = self.run.run(res, weight, dy, dres)
+        else:
+            dsum, dw = self.run.run(res, aligned_weight(weight), readable(dy, self.copy_dy),
+                                    readable(dres, self.copy_dres))
         return dsum, dw
 
 
@@ -243,13 +250,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     backward returns one gradient, d(residual_out), for x and residual (the same tensor when their dtypes
     match, else converted to each)."""
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
-    if eager(x, residual, weight) and not forward_mode():
+    how = eager(x, residual, weight)
+    if how == DIRECT or how == AUTOGRAD:
         key = ("add_rms_norm_fwd", signature(x), signature(residual), signature(weight), eps, variant,
                residual_dtype)
         fwd = cached(key, _Forward, x, residual, weight, eps, variant, residual_dtype)
-        if needs_autograd(x, residual, weight):
-            return _apply_add_rms_norm(x, residual, weight, fwd)
-        return fwd(x, residual, weight)
+        return fwd(x, residual, weight) if how == DIRECT else _apply_add_rms_norm(x, residual, weight, fwd)
     res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
     if not torch.compiler.is_compiling() and (forward_mode() or functorch_active()):
         return _composite(x, residual, weight, eps, variant, getattr(torch, res_name))

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 
 from torch_api._launch import (
+    DIRECT,
+    REGISTERED,
+    TRANSFORM,
     Executor,
     cached,
     check_device,
@@ -25,7 +28,6 @@ from torch_api._launch import (
     fast_apply,
     forward_mode,
     functorch_active,
-    needs_autograd,
     register_op,
     run_recipe,
     signature,
@@ -172,17 +174,17 @@ def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, prob
 # probs, the combine's backward kernel. Both bilinear forms' derivatives are these same ops.
 
 
-def _save(ctx, tensors, **attrs):
+def _save(ctx, tensors, num_rows: int, top_k: int):
     ctx.save_for_backward(*tensors)
     if forward_mode():
         ctx.save_for_forward(*tensors)
-    ctx.__dict__.update(attrs)
+    ctx.num_rows, ctx.top_k = num_rows, top_k
 
 
 def _save_permute(ctx, inputs, output):
-    x, idx, *top_k = inputs
-    top_k = top_k[0] if top_k else 1
-    _save(ctx, (idx,), num_rows=x.shape[0] * top_k, top_k=top_k)
+    x, idx = inputs[:2]
+    top_k = inputs[2] if len(inputs) > 2 else 1
+    _save(ctx, (idx,), x.shape[0] * top_k, top_k)
 
 
 def _permute_backward(ctx, dout):
@@ -198,7 +200,7 @@ def _permute_jvp(ctx, tx, *_):
 def _save_unpermute(ctx, inputs, output):
     y, idx, num_rows, *rest = inputs
     top_k, probs = rest if rest else (1, None)
-    _save(ctx, (y if probs is not None else None, idx, probs), num_rows=num_rows, top_k=top_k)
+    _save(ctx, (y if probs is not None else None, idx, probs), num_rows, top_k)
 
 
 def _unpermute_backward(ctx, dout):
@@ -220,7 +222,7 @@ def _unpermute_jvp(ctx, ty, _, __, ___=None, tprobs=None):
 
 def _save_combine_bwd(ctx, inputs, output):
     dout, y, idx, probs, num_rows, top_k = inputs
-    _save(ctx, (dout, y, idx, probs), num_rows=num_rows, top_k=top_k)
+    _save(ctx, (dout, y, idx, probs), num_rows, top_k)
 
 
 def _combine_bwd_backward(ctx, g_dy, g_dprobs):
@@ -275,35 +277,49 @@ def _inverse_executor(idx, num_rows) -> Executor:
     return Executor(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
 
 
+# An executor per call signature, checked on a miss; `in_place`: whether the signature's tensors are read as
+# they are (the key holds their strides), else through `_rows` and contiguous copies.
+
+
 def _permute_executor(x, idx, top_k) -> Executor:
     _check_permute(x, idx)
-    return Executor(_permute_recipe(_rows(x), idx, top_k), ("x", "idx"))
+    ex = Executor(_permute_recipe(_rows(x), idx, top_k), ("x", "idx"))
+    ex.in_place = _rows(x) is x and idx.is_contiguous()
+    return ex
 
 
 def _unpermute_executor(y, idx, num_rows, top_k, probs) -> Executor:
     _check_unpermute(y, idx, num_rows, top_k, probs)
-    return Executor(_unpermute_recipe(_rows(y), idx, num_rows, top_k, probs), ("y", "idx", "probs"))
+    ex = Executor(_unpermute_recipe(_rows(y), idx, num_rows, top_k, probs), ("y", "idx", "probs"))
+    ex.in_place = _rows(y) is y and idx.is_contiguous() and (probs is None or probs.is_contiguous())
+    return ex
 
 
 def _combine_grads_executor(dout, y, idx, probs, num_rows, top_k) -> Executor:
-    return Executor(_combine_grads_recipe(_rows(dout), _rows(y), idx, probs, num_rows, top_k),
-                    ("dout", "y", "idx", "probs"), shapes={"dprobs": tuple(probs.shape)})
+    ex = Executor(_combine_grads_recipe(_rows(dout), _rows(y), idx, probs, num_rows, top_k),
+                  ("dout", "y", "idx", "probs"), shapes={"dprobs": tuple(probs.shape)})
+    ex.in_place = _rows(dout) is dout and _rows(y) is y and idx.is_contiguous() and probs.is_contiguous()
+    return ex
 
 
 def _permute_eager(x, idx, top_k):
     ex = cached(("permute", signature(x), signature(idx), top_k), _permute_executor, x, idx, top_k)
-    return ex.run(_rows(x), idx.contiguous())[0]
+    return (ex.run(x, idx) if ex.in_place else ex.run(_rows(x), idx.contiguous()))[0]
 
 
 def _unpermute_eager(y, idx, num_rows, top_k, probs):
     ex = cached(("unpermute", signature(y), signature(idx), num_rows, top_k, signature(probs)), _unpermute_executor,
                 y, idx, num_rows, top_k, probs)
+    if ex.in_place:
+        return ex.run(y, idx, probs)[0]
     return ex.run(_rows(y), idx.contiguous(), None if probs is None else probs.contiguous())[0]
 
 
 def _combine_grads_eager(dout, y, idx, probs, num_rows, top_k):
     key = ("combine_bwd", signature(dout), signature(y), signature(idx), signature(probs), num_rows, top_k)
     ex = cached(key, _combine_grads_executor, dout, y, idx, probs, num_rows, top_k)
+    if ex.in_place:
+        return tuple(ex.run(dout, y, idx, probs))
     return tuple(ex.run(_rows(dout), _rows(y), idx.contiguous(), probs.contiguous()))
 
 
@@ -336,35 +352,40 @@ _apply_permute, _apply_unpermute = fast_apply(_Permute), fast_apply(_Unpermute)
 # Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
 # compiled and traced code, the ops (checked on every call: tracing is not the hot path).
 def _permute(x, idx, top_k: int):
-    if not eager(x, idx):
+    how = eager(x, idx)
+    if how == DIRECT:
+        return _permute_eager(x, idx, top_k)
+    if how == REGISTERED:
         _check_permute(x, idx)
         if top_k == 1:
             return torch.ops.xkern.permute_rows(x, idx)
         return torch.ops.xkern.permute_token_rows(x, idx, top_k)
-    if not needs_autograd(x):
-        return _permute_eager(x, idx, top_k)
-    return _Permute.apply(x, idx, top_k) if functorch_active() else _apply_permute(x, idx, top_k)
+    if how == TRANSFORM and functorch_active():
+        return _Permute.apply(x, idx, top_k)
+    return _apply_permute(x, idx, top_k)
 
 
 def _unpermute(y, idx, num_rows: int, top_k: int, probs):
-    if not eager(y, idx, probs):
+    how = eager(y, idx, probs)
+    if how == DIRECT:
+        return _unpermute_eager(y, idx, num_rows, top_k, probs)
+    if how == REGISTERED:
         _check_unpermute(y, idx, num_rows, top_k, probs)
         if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
             return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
         return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
-    if not needs_autograd(y, probs):
-        return _unpermute_eager(y, idx, num_rows, top_k, probs)
-    if functorch_active():
+    if how == TRANSFORM and functorch_active():
         return _Unpermute.apply(y, idx, num_rows, top_k, probs)
     return _apply_unpermute(y, idx, num_rows, top_k, probs)
 
 
 def _combine_grads(dout, y, idx, probs, num_rows, top_k):
-    if not eager(dout, y, idx, probs):
+    how = eager(dout, y, idx, probs)
+    if how == DIRECT:
+        return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
+    if how == REGISTERED:
         return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
-    if needs_autograd(dout, y, probs):
-        return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
-    return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
+    return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
 
 
 # ---------------------------------------------------------------------------------------------------

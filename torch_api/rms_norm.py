@@ -16,6 +16,9 @@ from typing import Optional
 import torch
 
 from torch_api._launch import (
+    DIRECT,
+    REGISTERED,
+    TRANSFORM,
     Executor,
     aligned_weight,
     cached,
@@ -99,6 +102,11 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # Eager: executors cached per call signature (`torch_api._launch.cached`: checked once, on a miss).
 
 
+# Per call, on a hit: the tensors are read in place when the signature says they can be (`rows_layout`, a
+# contiguous weight: the key holds their strides) and their addresses are 16-byte aligned (one check for all
+# of them), else through `readable` and `aligned_weight`, which copy.
+
+
 class _Forward:
     """The forward's executor for one call signature, built (and the arguments checked) on a cache miss."""
 
@@ -108,11 +116,12 @@ class _Forward:
         recipe = rms_norm_fwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      dtype_or_none(weight), x_row_stride, variant)
         self.run = Executor(recipe, ("x", "w"), {"y": x.shape})
+        self.in_place = not self.copy_x and flat_weight(weight) is weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        x = readable(x, self.copy_x)
-        weight = aligned_weight(weight)
-        return self.run.run(x, weight)[0]
+        if self.in_place and not (x.data_ptr() | (0 if weight is None else weight.data_ptr())) & 15:
+            return self.run.run(x, weight)[0]
+        return self.run.run(readable(x, self.copy_x), aligned_weight(weight))[0]
 
 
 class _Backward:
@@ -125,12 +134,13 @@ class _Backward:
         recipe = rms_norm_bwd_recipe(math.prod(x.shape[:-1]), x.shape[-1], float(eps), dtype_name(x.dtype),
                                      dtype_or_none(weight), x_row_stride, dy_row_stride, variant=variant)
         self.run = Executor(recipe, ("x", "w", "dy"), {"dx": x.shape, "dw": (weight.shape if self.weighted else (0,))})
+        self.in_place = not self.copy_x and not self.copy_dy and flat_weight(weight) is weight
 
     def __call__(self, dy, x, weight):
-        x = readable(x, self.copy_x)
-        dy = readable(dy, self.copy_dy)
-        weight = aligned_weight(weight)
-        dx, dw = self.run.run(x, weight, dy)
+        if self.in_place and not (dy.data_ptr() | x.data_ptr() | (0 if weight is None else weight.data_ptr())) & 15:
+            dx, dw = self.run.run(x, weight, dy)
+        else:
+            dx, dw = self.run.run(readable(x, self.copy_x), aligned_weight(weight), readable(dy, self.copy_dy))
         return dx, dw if self.weighted else None
 
 
@@ -294,11 +304,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
-    if eager(x, weight):
-        if not needs_autograd(x, weight):
-            return _forward(x, weight, eps, variant)
-        if not functorch_active():
-            return _apply_rms_norm(x, weight, eps, variant)
+    how = eager(x, weight)
+    if how == DIRECT:
+        return _forward(x, weight, eps, variant)
+    if how == REGISTERED:
+        variant = _check(x, weight, eps, variant)
+        return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
+    if how == TRANSFORM and functorch_active():
         return _RMSNormFunction.apply(x, weight, eps, variant)
-    variant = _check(x, weight, eps, variant)
-    return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
+    return _apply_rms_norm(x, weight, eps, variant)
