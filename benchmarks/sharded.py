@@ -112,7 +112,7 @@ def _torch_rows(device: str, log) -> list[dict]:
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    want = [full(t).float() for t in step(*leaves(SHAPES[device], None))]
+    want = [full(t).detach().float() for t in step(*leaves(SHAPES[device], None))]
     sync = (lambda _: torch.cuda.synchronize()) if device == "cuda" else (lambda _: None)
     rows = []
     for name, form in forms.items():
@@ -121,7 +121,7 @@ def _torch_rows(device: str, log) -> list[dict]:
         rows.append(row)
         try:
             args = leaves(SHAPES[device], form)
-            got = [full(t).float() for t in step(*args)]
+            got = [full(t).detach().float() for t in step(*args)]
             row["bitwise_equal_plain"] = all(torch.equal(a, b) for a, b in zip(got, want))
             row["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                                       for a, b in zip(got, want))
