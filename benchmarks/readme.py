@@ -184,7 +184,7 @@ def section(json_path: str, readme_dir: str) -> str:
         return "\n".join(out[:2] + [f"{out[2]} {results.get('kernels_note', '')} Its tables: [{rel}.md]({rel}.md)."])\
             + "\n"
     if results.get("kernels_note"):
-        out += ["", results["kernels_note"]]
+        out[2] += " " + results["kernels_note"]
     if os.path.exists(os.path.join(folder, f"{stem}-rms_norm.png")):
         out += ["", f"![RMSNorm on {results['gpu']}]({rel}-rms_norm.png)"]
     rs = _ratios(results["rows"])
