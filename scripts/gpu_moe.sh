@@ -6,7 +6,8 @@
 #   bash scripts/gpu_moe.sh OUTDIR [qwen3-moe|deepseek-v3]
 # Limits (s): TORCH_TIMEOUT 320, JAX_TIMEOUT 300, HF_TIMEOUT 150 (Qwen3-MoE on an H100: ~7 min in all).
 # PARTS (default "torch jax hf") picks the steps: the DeepSeek-V3 torch step alone passed 280 s on an H100, so
-# where a run has a time limit that size goes as PARTS=torch, then PARTS=jax (which reads the torch JSON).
+# where a run has a time limit that size goes as TORCH_TIMEOUT=540 PARTS=torch, then PARTS=jax (which reads the
+# torch JSON).
 set -u
 OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
