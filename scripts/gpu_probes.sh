@@ -2,7 +2,8 @@
 # The probes behind docs/benchmarks.md's open questions, in one GPU run, each under its own time limit:
 # - tools.jax_torch_profile --cases quick, with jaxlib's own ptxas search and with Triton's ptxas first
 #   (`jax_api.use_triton_ptxas`): whether the same machine code closes the JAX/torch gap;
-# - tools.moe_probe: the MoE weighted combine's tiles and its unrolled copy loop (TOP_K);
+# - tools.moe_probe: the MoE weighted combine's tiles and its unrolled copy loop (TOP_K), and the token-major
+#   dispatch against the gather;
 # - tools.host_profile --device cuda --parts: xkern's eager Python on this host, launches stubbed and real.
 # Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md):
 #   bash scripts/gpu_probes.sh OUTDIR [SIZE]      (SIZE of the MoE probe: qwen3-moe (default), deepseek-v3)
@@ -23,6 +24,7 @@ run() {  # run NAME LIMIT COMMAND...: the command's output in OUT/NAME.log, its 
 run jax-torch-xla-ptxas "${PROFILE_TIMEOUT:-120}" "$PY" -m tools.jax_torch_profile --cases quick --out "$OUT/xla-ptxas"
 run jax-torch-triton-ptxas "${PROFILE_TIMEOUT:-120}" "$PY" -m tools.jax_torch_profile --cases quick --triton-ptxas \
   --out "$OUT/triton-ptxas"
-run moe-probe "${MOE_TIMEOUT:-240}" "$PY" -m tools.moe_probe --sizes "$SIZE" --kernels "weighted combine" --out "$OUT"
+run moe-probe "${MOE_TIMEOUT:-240}" "$PY" -m tools.moe_probe --sizes "$SIZE" --kernels "weighted combine,token-major" \
+  --out "$OUT"
 run host-profile-stubbed "${HOST_TIMEOUT:-90}" "$PY" -m tools.host_profile --device cuda --parts
 run host-profile-real "${HOST_TIMEOUT:-90}" "$PY" -m tools.host_profile --device cuda --real --parts

@@ -671,7 +671,8 @@ def test_moe_probe_checks_each_candidate_against_the_plan(monkeypatch, capsys):
 
     assert moe_probe.main(["--smoke"]) == 0
     text = capsys.readouterr().out
-    for kernel in ("permute_rows(top_k)", "copy-sum", "weighted combine", "combine backward"):
+    for kernel in ("permute_rows(top_k)", "permute_rows(top_k) token-major", "copy-sum", "weighted combine",
+                   "combine backward"):
         assert f"smoke {kernel} BLOCK_M" in text and "(plan)" in text
     assert "combine BLOCK_M 4 BLOCK_H 256 warps 4 TOP_K 2: ran" in text  # the unrolled loop: the same bits
     assert "DIFFERS" not in text
@@ -679,9 +680,9 @@ def test_moe_probe_checks_each_candidate_against_the_plan(monkeypatch, capsys):
     real = moe_probe.candidates
 
     def one_program(step, n_items):  # the plan, then the plan on a grid of one program: rows left unwritten
-        plan = next(real(step, n_items))
-        yield plan
-        yield dataclasses.replace(plan, grid=(1,), constexprs={**plan.constexprs, "BLOCK_M": 1})
+        plan, scalars = next(real(step, n_items))
+        yield plan, scalars
+        yield dataclasses.replace(plan, grid=(1,), constexprs={**plan.constexprs, "BLOCK_M": 1}), scalars
 
     monkeypatch.setattr(moe_probe, "candidates", one_program)
     assert moe_probe.main(["--smoke"]) == 1

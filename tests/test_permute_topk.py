@@ -436,3 +436,25 @@ def test_each_unpermute_form_is_the_core_recipe(monkeypatch, top_k, weighted):
     want_dy = torch.ops.xkern.combine_rows_bwd(dout, y.detach(), idx, probs.detach(), tokens * top_k, top_k)[0] \
         if weighted else torch_api.permute_rows(dout, idx, top_k=top_k)
     assert same_bits(grads[0], want_dy)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_token_major_dispatch_is_the_gather(dtype):
+    """`permute_token_major_recipe` (each token row read once, written to its copies' slots; padding slots
+    zeroed by programs of their own) gives the gather's result bit for bit: padding, dropped copies and an
+    empty expert, output poisoned first so that every slot must be written."""
+    from torch_api._launch import _alloc, launch as launch_plan
+    from xkern.permute import permute_token_major_recipe
+
+    tokens, top_k, hidden = 13, 3, 40
+    idx = to_torch(_routing(("token-major", dtype), tokens, top_k, experts=6).astype(np.int32))
+    x = to_torch(rand(_rng("token-major values", dtype), (tokens, hidden), dtype))
+    want = torch_api.permute_rows(x, idx, top_k=top_k)
+    recipe = permute_token_major_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32")
+    scatter, rows = recipe.steps
+    raw = _alloc(scatter.outputs[0], DEVICE)
+    launch_plan(scatter.launch, idx, raw, **scatter.scalars)
+    out = torch.full((idx.numel(), hidden), float("nan"), dtype=x.dtype, device=DEVICE)
+    launch_plan(rows.launch, x, raw, idx, out, **rows.scalars)
+    assert same_bits(out, want)
+    assert (idx < 0).any() and not out[idx < 0].any()  # zero rows at padding

@@ -29,6 +29,8 @@ from benchmarks.moe_layer import SIZES, SMOKE_SIZE, layout, route
 from xkern import permute as XP
 from xkern.launch import bind, cdiv
 
+# permute_rows(top_k) token-major (each token row read once): checked against the gather's result too
+TOKEN_MAJOR = "permute_rows(top_k) token-major"
 BLOCK_MS = (4, 8, 16)
 BLOCK_HS = (256, 512, 1024, 2048)
 WARPS = (4, 8)
@@ -39,8 +41,9 @@ def _dtype(name: str):
 
 
 def op_steps(size: dict, device: str):
-    """(name, step, arrays, minimum bytes) of each kernel at this size: the recipe's last step (the kernel
-    probed), its input and output arrays, the earlier steps run once to make its inputs."""
+    """(name, step, arrays, minimum bytes, reference) of each kernel at this size: the recipe's last step (the
+    kernel probed), its input and output arrays (the earlier steps run once to make its inputs), and where
+    another path defines its result, that result's maker (else the plan's own result is the reference)."""
     from torch_api._launch import _alloc, run_recipe
 
     t, k, h, e = size["tokens"], size["top_k"], size["hidden"], size["experts"]
@@ -57,6 +60,8 @@ def op_steps(size: dict, device: str):
     recipes = {
         "permute_rows(top_k)": (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k), dict(x=x, idx=slot_copy),
                                 t * h * item + n_slots * h * item),
+        TOKEN_MAJOR: (XP.permute_token_major_recipe(n_slots, h, t, "bfloat16", h, k, "int32"),
+                      dict(x=x, idx=slot_copy), t * h * item + n_slots * h * item),
         "copy-sum": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, None),
                      dict(y=y, idx=slot_copy), valid + t * h * item),
         "weighted combine": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, "bfloat16"),
@@ -65,6 +70,10 @@ def op_steps(size: dict, device: str):
                              dict(dout=dout, y=y, idx=slot_copy, probs=probs),
                              t * h * item + valid + n_slots * h * item),
     }
+    import torch_api
+
+    # what the token-major dispatch must equal bit for bit: the gather's result through the front end
+    references = {TOKEN_MAJOR: lambda: [torch_api.permute_rows(x, slot_copy, top_k=k)]}
     for name, (recipe, inputs, nbytes) in recipes.items():
         *before, last = recipe.steps
         env = dict(inputs)
@@ -74,32 +83,45 @@ def op_steps(size: dict, device: str):
                                                           results=tuple(b.name for s in before for b in s.outputs)),
                                       device, **inputs)))
         outs = [_alloc(b, device) for b in last.outputs]
-        yield name, last, [env[n] for n in last.inputs] + outs, nbytes
+        yield name, last, [env[n] for n in last.inputs] + outs, nbytes, references.get(name)
+
+
+def _regrid(step, plan, bm: int):
+    """The grid (and its token-program count) of a candidate with BLOCK_M `bm`."""
+    if "token_programs" not in step.scalars:
+        return {}, (max(1, cdiv(_items(step), bm)),)
+    tokens = cdiv(step.scalars["n_tokens"], bm)
+    return {"token_programs": tokens}, (tokens + cdiv(step.scalars["n_slots"], bm),)
+
+
+def _items(step) -> int:
+    return step.scalars.get("n_tokens") or step.scalars.get("n_rows") or step.scalars["n_slots"]
 
 
 def candidates(step, n_items: int):
-    """The plan's launch first, then every tile of BLOCK_MS x BLOCK_HS x WARPS that is not it; for the
-    combine, each tile also with its loop over the copies unrolled (TOP_K = top_k)."""
+    """(launch, its scalars): the plan's first, then every tile of BLOCK_MS x BLOCK_HS x WARPS that is not it;
+    for the combine, each tile also with its loop over the copies unrolled (TOP_K = top_k)."""
     plan = step.launch
-    yield plan
-    unroll = (0, step.scalars["top_k"]) if "TOP_K" in plan.constexprs else (None,)
+    yield plan, step.scalars
+    unroll = (0, step.scalars["top_k"]) if "top_k" in step.scalars and "TOP_K" in plan.constexprs else (None,)
     for bm, bh, w, k in itertools.product(BLOCK_MS, BLOCK_HS, WARPS, unroll):
         tile = {"BLOCK_M": bm, "BLOCK_H": bh, **({} if k is None else {"TOP_K": k})}
         if (tile, w) != ({n: plan.constexprs[n] for n in tile}, plan.num_warps):
-            yield dataclasses.replace(plan, grid=(max(1, cdiv(n_items, bm)),), num_warps=w,
-                                      constexprs={**plan.constexprs, **tile})
+            scalars, grid = _regrid(step, plan, bm)
+            yield (dataclasses.replace(plan, grid=grid, num_warps=w, constexprs={**plan.constexprs, **tile}),
+                   {**step.scalars, **scalars})  # the token-major grid's split is a scalar
 
 
 def probe(size_name: str, size: dict, device: str, smoke: bool, kernels: str | None = None) -> list[dict]:
     ceiling = timing.copy_ceiling()["gbps"] if device == "cuda" else None
     rows = []
-    for name, step, arrays, nbytes in op_steps(size, device):
+    for name, step, arrays, nbytes, reference in op_steps(size, device):
         if kernels and not any(k in name for k in kernels.split(",")):
             continue
-        n_items = step.scalars.get("n_tokens") or step.scalars.get("n_rows") or step.scalars["n_slots"]
+        n_items = _items(step)
         outs = arrays[len(step.inputs):]
-        want, unrolled = None, False
-        for i, cand in enumerate(candidates(step, n_items)):
+        want, unrolled = reference() if reference else None, False
+        for i, (cand, scalars) in enumerate(candidates(step, n_items)):
             if smoke and i > 1 and (unrolled or not cand.constexprs.get("TOP_K")):
                 continue  # the smoke run: the plan, one other tile, one unrolled combine
             unrolled |= bool(cand.constexprs.get("TOP_K"))
@@ -107,7 +129,7 @@ def probe(size_name: str, size: dict, device: str, smoke: bool, kernels: str | N
                 o.fill_(float("nan")) if o.dtype.is_floating_point else o.fill_(-7)
             if name == "combine backward":
                 outs[1].zero_()  # dprobs arrives zero-filled
-            kwargs = bind(cand, arrays, step.scalars)
+            kwargs = bind(cand, arrays, scalars)
 
             def call(cand=cand, kwargs=kwargs):
                 cand.kernel[cand.grid](**kwargs, num_warps=cand.num_warps, num_stages=cand.num_stages)

@@ -25,6 +25,9 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
                            scanning all of idx (work rows x slots; saves a launch where the call is host-bound).
   _gather_token_rows_kernel  permute_rows with top_k: slot s reads token idx[s] // top_k (x keeps one row per
                            token; no [T * top_k, H] copy);
+  _scatter_token_rows_kernel the same, token-major: each token row read once, written to its copies' slots
+                           (after _scatter_inverse_kernel); padding slots zeroed by the programs after them.
+                           Not in a plan yet (`tools.moe_probe` times it);
   _combine_rows_kernel     unpermute_rows with top_k or probs: out[t] = sum_j p[t, j] * y[slot of t * top_k + j]
                            in FP32, j in order, rounded once, slots through the raw scatter settled on the fly
                            (after _scatter_inverse_kernel: two launches); also permute_rows(top_k)'s backward;
@@ -148,6 +151,47 @@ def _gather_token_rows_kernel(
     hit = (copy >= 0) & (copy < n_src_rows.to(tl.int64) * top_k)
     src = tl.where(hit, copy // top_k, 0)
     _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "src_row_stride", "token_programs"])
+def _scatter_token_rows_kernel(
+    SRC, RAW, IDX,
+    n_tokens, n_cols, n_slots, src_row_stride, token_programs,
+    OUT,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr,
+):
+    # permute_rows(top_k) token-major (`permute_token_major_recipe`): the first `token_programs` programs read
+    # BLOCK_M token rows once and write each to the slots of its TOP_K copies (RAW[copy], settled by IDX as in
+    # the combine: a copy with no slot writes nothing), where the gather reads a token row once per copy; the
+    # programs after them write the zero rows of the padding slots (IDX naming no copy).
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
+    pid = tl.program_id(0)
+    if pid < token_programs:
+        tokens = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok_mask = tokens < n_tokens
+        first = tokens.to(tl.int64) * TOP_K
+        src_ptr = SRC + tokens.to(tl.int64)[:, None] * src_row_stride
+        for start in range(0, n_cols, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            col_mask = (cols < n_cols)[None, :]
+            vals = tl.load(src_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0)
+            for j in tl.static_range(TOP_K):
+                copy = first + j
+                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                ok = tok_mask & (slot >= 0) & (slot < n_slots)
+                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+                tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
+    else:
+        slots = (pid - token_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        copy = tl.load(IDX + slots, mask=slots < n_slots, other=0).to(tl.int64)
+        pad = (slots < n_slots) & ((copy < 0) | (copy >= n_tokens.to(tl.int64) * TOP_K))
+        out_ptr = OUT + slots.to(tl.int64)[:, None] * n_cols
+        for start in range(0, n_cols, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            tl.store(out_ptr + cols[None, :], tl.zeros([BLOCK_M, BLOCK_H], OUT.dtype.element_ty),
+                     mask=pad[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit
@@ -668,6 +712,24 @@ def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_r
     return Recipe((Step(plan, ("x", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
                         dict(n_rows=n_slots, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride,
                              top_k=top_k)),), ("out",))
+
+
+def permute_token_major_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int,
+                               top_k: int, index_dtype: str) -> Recipe:
+    """permute_rows(top_k) as `permute_recipe` computes it, token-major: the raw scatter of idx (each copy's
+    slot), then `_scatter_token_rows_kernel`, which reads each token row once (the gather reads it once per
+    copy). The same result for a valid layout (each copy in at most one slot). No plan takes it yet:
+    `tools.moe_probe` times it against the gather."""
+    check_gather_sizes(n_slots, n_src_rows * top_k)
+    block_m, block_h, num_warps = _row_tile(n_cols, ITEMSIZE[dtype])
+    token_programs = cdiv(n_src_rows, block_m)
+    plan = Launch(_scatter_token_rows_kernel, (max(1, token_programs + cdiv(n_slots, block_m)),), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h,
+                   "TOP_K": top_k})
+    rows = Step(plan, ("x", "raw", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
+                dict(n_tokens=n_src_rows, n_cols=n_cols, n_slots=n_slots, src_row_stride=src_row_stride,
+                     token_programs=token_programs))
+    return Recipe((_scatter_step("idx", n_slots, n_src_rows * top_k, index_dtype), rows), ("out",))
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
