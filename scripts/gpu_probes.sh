@@ -3,12 +3,12 @@
 # - tools.jax_torch_profile --cases quick, with jaxlib's own ptxas search and with Triton's ptxas first
 #   (`jax_api.use_triton_ptxas`): whether the same machine code closes the JAX/torch gap;
 # - tools.moe_probe: the MoE weighted combine's tiles and its unrolled copy loop (TOP_K), and the token-major
-#   dispatch against the gather;
+#   dispatch and combine backward against the slot-major kernels;
 # - tools.host_profile --device cuda --parts: xkern's eager Python on this host, launches stubbed and real.
 # Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md):
 #   bash scripts/gpu_probes.sh OUTDIR [SIZE]      (SIZE of the MoE probe: qwen3-moe (default), deepseek-v3)
-# Everything goes to OUTDIR/<kind>/probes/; about 6 minutes on an H100 (PROFILE_TIMEOUT 120 each,
-# MOE_TIMEOUT 240, HOST_TIMEOUT 90 each).
+# Everything goes to OUTDIR/<kind>/probes/; about 8 minutes on an H100 (PROFILE_TIMEOUT 120 each,
+# MOE_TIMEOUT 300, HOST_TIMEOUT 90 each).
 set -u
 OUTDIR=${1:?usage: gpu_probes.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
@@ -24,7 +24,7 @@ run() {  # run NAME LIMIT COMMAND...: the command's output in OUT/NAME.log, its 
 run jax-torch-xla-ptxas "${PROFILE_TIMEOUT:-120}" "$PY" -m tools.jax_torch_profile --cases quick --out "$OUT/xla-ptxas"
 run jax-torch-triton-ptxas "${PROFILE_TIMEOUT:-120}" "$PY" -m tools.jax_torch_profile --cases quick --triton-ptxas \
   --out "$OUT/triton-ptxas"
-run moe-probe "${MOE_TIMEOUT:-240}" "$PY" -m tools.moe_probe --sizes "$SIZE" --kernels "weighted combine,token-major" \
+run moe-probe "${MOE_TIMEOUT:-300}" "$PY" -m tools.moe_probe --sizes "$SIZE" --kernels "weighted combine,token-major" \
   --out "$OUT"
 run host-profile-stubbed "${HOST_TIMEOUT:-90}" "$PY" -m tools.host_profile --device cuda --parts
 run host-profile-real "${HOST_TIMEOUT:-90}" "$PY" -m tools.host_profile --device cuda --real --parts

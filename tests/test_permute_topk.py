@@ -458,3 +458,28 @@ def test_token_major_dispatch_is_the_gather(dtype):
     launch_plan(rows.launch, x, raw, idx, out, **rows.scalars)
     assert same_bits(out, want)
     assert (idx < 0).any() and not out[idx < 0].any()  # zero rows at padding
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_token_major_combine_backward_is_the_slot_major_one(dtype):
+    """`combine_bwd_token_major_recipe` (each dout row read once) gives `combine_bwd_recipe`'s dy and dprobs bit
+    for bit (the same tile sums each row in the same chunks): padding slots zeroed, dropped copies' dprobs 0,
+    dy poisoned first so that every slot must be written."""
+    from torch_api._launch import _alloc, launch as launch_plan, run_recipe
+    from xkern.permute import combine_bwd_recipe, combine_bwd_token_major_recipe
+
+    tokens, top_k, hidden = 13, 3, 40
+    idx = to_torch(_routing(("token-major bwd", dtype), tokens, top_k, experts=6).astype(np.int32))
+    rng = _rng("token-major bwd values", dtype)
+    dout, y = to_torch(rand(rng, (tokens, hidden), dtype)), to_torch(rand(rng, (idx.numel(), hidden), dtype))
+    probs = to_torch(rand(rng, (tokens * top_k,), dtype))
+    args = (idx.numel(), hidden, tokens * top_k, dtype, hidden, hidden, top_k, dtype)
+    want = run_recipe(combine_bwd_recipe(*args), DEVICE, dout=dout, y=y, idx=idx, probs=probs)
+    scatter, grads = combine_bwd_token_major_recipe(*args, "int32").steps
+    raw = _alloc(scatter.outputs[0], DEVICE)
+    launch_plan(scatter.launch, idx, raw, **scatter.scalars)
+    dy = torch.full((idx.numel(), hidden), float("nan"), dtype=dout.dtype, device=DEVICE)
+    dprobs = torch.zeros(tokens * top_k, dtype=probs.dtype, device=DEVICE)
+    launch_plan(grads.launch, dout, y, raw, idx, probs, dy, dprobs, **grads.scalars)
+    assert same_bits(dy, want[0]) and same_bits(dprobs, want[1])
+    assert not dy[idx < 0].any() and (dprobs != 0).sum() == (idx >= 0).sum()  # padding zero; a dprob per slot

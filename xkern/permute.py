@@ -33,6 +33,7 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
                            (after _scatter_inverse_kernel: two launches); also permute_rows(top_k)'s backward;
   _combine_bwd_kernel      the weighted combine's backward, per slot: dy[s] = p * dout[t] and dprobs[r] =
                            sum_h y[s, h] * dout[t, h] (FP32) from one read of each row, no atomics;
+  _combine_bwd_token_kernel  the same, token-major: each dout row read once. Not in a plan yet;
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
   _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
@@ -153,6 +154,14 @@ def _gather_token_rows_kernel(
     _copy_rows(SRC, OUT, src, rows, row_mask, hit, n_cols, src_row_stride, BLOCK_H)
 
 
+@triton.jit
+def _settled_slot(RAW, IDX, copy, tok_mask, n_slots):
+    # The slot of each `copy` (RAW[copy], the raw scatter's) where IDX names the copy there, and that mask.
+    slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+    ok = tok_mask & (slot >= 0) & (slot < n_slots)
+    return slot, ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "src_row_stride", "token_programs"])
 def _scatter_token_rows_kernel(
     SRC, RAW, IDX,
@@ -178,10 +187,7 @@ def _scatter_token_rows_kernel(
             col_mask = (cols < n_cols)[None, :]
             vals = tl.load(src_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0)
             for j in tl.static_range(TOP_K):
-                copy = first + j
-                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
-                ok = tok_mask & (slot >= 0) & (slot < n_slots)
-                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+                slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
                 tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
     else:
         slots = (pid - token_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,9 +204,7 @@ def _scatter_token_rows_kernel(
 def _combine_copy(SRC, RAW, IDX, PROBS, copy, tok_mask, n_src_rows, src_row_stride, cols, col_mask,
                   HAS_PROBS: tl.constexpr):
     # One routed copy's term of `_combine_rows_kernel`, FP32: p * SRC[its slot], 0 where it has none.
-    slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
-    ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
-    hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+    slot, hit = _settled_slot(RAW, IDX, copy, tok_mask, n_src_rows)
     vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
                    other=0.0).to(tl.float32)
     if HAS_PROBS:
@@ -281,6 +285,58 @@ def _combine_bwd_kernel(
         tl.store(dy_ptr + cols[None, :], (d * p[:, None]).to(DY.dtype.element_ty), mask=slot_mask[:, None] & col_mask)
         dot += tl.sum(y * d, axis=1)
     tl.store(DPROBS + copy, dot.to(DPROBS.dtype.element_ty), mask=hit)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "dout_row_stride", "y_row_stride",
+                               "token_programs"])
+def _combine_bwd_token_kernel(
+    DOUT, Y, RAW, IDX, PROBS,
+    n_tokens, n_cols, n_slots, dout_row_stride, y_row_stride, token_programs,
+    DY, DPROBS,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+):
+    # `_combine_bwd_kernel` token-major (`combine_bwd_token_major_recipe`): the first `token_programs` programs
+    # read BLOCK_M rows of DOUT once and, for each of their TOP_K copies with a slot (RAW settled by IDX), write
+    # DY[slot] = p * DOUT[t] and sum DPROBS[copy] = sum_h Y[slot, h] * DOUT[t, h] in FP32, chunk by chunk as
+    # the slot-major kernel does; the programs after them write the zero rows of the padding slots. DPROBS
+    # arrives zero-filled (dropped copies).
+    n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
+    dout_row_stride = dout_row_stride // ROW_ALIGN * ROW_ALIGN
+    y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
+    pid = tl.program_id(0)
+    if pid < token_programs:
+        tokens = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok_mask = tokens < n_tokens
+        first = tokens.to(tl.int64) * TOP_K
+        ks = tl.arange(0, K_PAD)[None, :]
+        dots = tl.zeros([BLOCK_M, K_PAD], tl.float32)
+        dout_ptr = DOUT + tokens.to(tl.int64)[:, None] * dout_row_stride
+        for start in range(0, n_cols, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            col_mask = (cols < n_cols)[None, :]
+            d = tl.load(dout_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(TOP_K):
+                slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
+                p = tl.load(PROBS + first + j, mask=hit, other=0.0).to(tl.float32)
+                y = tl.load(Y + slot[:, None] * y_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
+                            other=0.0).to(tl.float32)
+                tl.store(DY + slot[:, None] * n_cols + cols[None, :], (d * p[:, None]).to(DY.dtype.element_ty),
+                         mask=hit[:, None] & col_mask)
+                dots = tl.where(ks == j, dots + tl.sum(y * d, axis=1)[:, None], dots)
+        for j in tl.static_range(TOP_K):
+            slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
+            dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
+            tl.store(DPROBS + first + j, dot.to(DPROBS.dtype.element_ty), mask=hit)
+    else:
+        slots = (pid - token_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        copy = tl.load(IDX + slots, mask=slots < n_slots, other=0).to(tl.int64)
+        pad = (slots < n_slots) & ((copy < 0) | (copy >= n_tokens.to(tl.int64) * TOP_K))
+        dy_ptr = DY + slots.to(tl.int64)[:, None] * n_cols
+        for start in range(0, n_cols, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            tl.store(dy_ptr + cols[None, :], tl.zeros([BLOCK_M, BLOCK_H], DY.dtype.element_ty),
+                     mask=pad[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit
@@ -793,6 +849,25 @@ def combine_bwd_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dou
     return Recipe((Step(plan, ("dout", "y", "idx", "probs"), (dy, dprobs),
                         dict(n_slots=n_slots, n_cols=n_cols, num_rows=num_rows, dout_row_stride=dout_row_stride,
                              y_row_stride=y_row_stride, top_k=top_k)),), ("dy", "dprobs"))
+
+
+def combine_bwd_token_major_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dout_row_stride: int,
+                                   y_row_stride: int, top_k: int, probs_dtype: str, index_dtype: str) -> Recipe:
+    """The weighted combine's backward as `combine_bwd_recipe` computes it, token-major: the raw scatter of
+    idx, then `_combine_bwd_token_kernel`, which reads each row of dout once (the slot-major kernel reads it
+    once per copy). Inputs dout, y, idx, probs as there. No plan takes it yet: `tools.moe_probe` times it."""
+    check_gather_sizes(n_slots, num_rows)
+    n_tokens = num_rows // top_k
+    block_m, block_h, num_warps = _row_tile(n_cols, ITEMSIZE[dtype])
+    token_programs = cdiv(n_tokens, block_m)
+    plan = Launch(_combine_bwd_token_kernel, (max(1, token_programs + cdiv(n_slots, block_m)),), num_warps,
+                  {"ROW_ALIGN": row_align(n_cols, dout_row_stride, y_row_stride), "BLOCK_M": block_m,
+                   "BLOCK_H": block_h, "TOP_K": top_k, "K_PAD": next_pow2(top_k)})
+    grads = Step(plan, ("dout", "y", "raw", "idx", "probs"),
+                 (Buffer("dy", (n_slots, n_cols), dtype), Buffer("dprobs", (num_rows,), probs_dtype, fill=0)),
+                 dict(n_tokens=n_tokens, n_cols=n_cols, n_slots=n_slots, dout_row_stride=dout_row_stride,
+                      y_row_stride=y_row_stride, token_programs=token_programs))
+    return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), grads), ("dy", "dprobs"))
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
