@@ -443,7 +443,8 @@ def test_token_major_dispatch_is_the_gather(dtype):
     """`permute_token_major_recipe` (each token row read once, written to its copies' slots; padding slots
     zeroed by programs of their own) gives the gather's result bit for bit: padding, dropped copies and an
     empty expert, output poisoned first so that every slot must be written."""
-    from torch_api._launch import _alloc, launch as launch_plan
+    from torch_api._launch import _alloc
+    from torch_api._launch import launch as launch_plan
     from xkern.permute import permute_token_major_recipe
 
     tokens, top_k, hidden = 13, 3, 40
@@ -465,7 +466,8 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     """`combine_bwd_token_major_recipe` (each dout row read once) gives `combine_bwd_recipe`'s dy and dprobs bit
     for bit (the same tile sums each row in the same chunks): padding slots zeroed, dropped copies' dprobs 0,
     dy poisoned first so that every slot must be written."""
-    from torch_api._launch import _alloc, launch as launch_plan, run_recipe
+    from torch_api._launch import _alloc, run_recipe
+    from torch_api._launch import launch as launch_plan
     from xkern.permute import combine_bwd_recipe, combine_bwd_token_major_recipe
 
     tokens, top_k, hidden = 13, 3, 40

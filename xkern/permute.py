@@ -162,6 +162,19 @@ def _settled_slot(RAW, IDX, copy, tok_mask, n_slots):
     return slot, ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
 
 
+@triton.jit
+def _zero_padding_rows(OUT, IDX, block, n_slots, n_copies, n_cols, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # The token-major kernels' padding: zero rows of OUT at the slots of this block that name no copy.
+    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    copy = tl.load(IDX + slots, mask=slots < n_slots, other=0).to(tl.int64)
+    pad = (slots < n_slots) & ((copy < 0) | (copy >= n_copies))
+    out_ptr = OUT + slots.to(tl.int64)[:, None] * n_cols
+    for start in range(0, n_cols, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + cols[None, :], tl.zeros([BLOCK_M, BLOCK_H], OUT.dtype.element_ty),
+                 mask=pad[:, None] & (cols < n_cols)[None, :])
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "src_row_stride", "token_programs"])
 def _scatter_token_rows_kernel(
     SRC, RAW, IDX,
@@ -190,14 +203,8 @@ def _scatter_token_rows_kernel(
                 slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
                 tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
     else:
-        slots = (pid - token_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
-        copy = tl.load(IDX + slots, mask=slots < n_slots, other=0).to(tl.int64)
-        pad = (slots < n_slots) & ((copy < 0) | (copy >= n_tokens.to(tl.int64) * TOP_K))
-        out_ptr = OUT + slots.to(tl.int64)[:, None] * n_cols
-        for start in range(0, n_cols, BLOCK_H):
-            cols = start + tl.arange(0, BLOCK_H)
-            tl.store(out_ptr + cols[None, :], tl.zeros([BLOCK_M, BLOCK_H], OUT.dtype.element_ty),
-                     mask=pad[:, None] & (cols < n_cols)[None, :])
+        _zero_padding_rows(OUT, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
+                           BLOCK_M, BLOCK_H)
 
 
 @triton.jit
@@ -329,14 +336,8 @@ def _combine_bwd_token_kernel(
             dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
             tl.store(DPROBS + first + j, dot.to(DPROBS.dtype.element_ty), mask=hit)
     else:
-        slots = (pid - token_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
-        copy = tl.load(IDX + slots, mask=slots < n_slots, other=0).to(tl.int64)
-        pad = (slots < n_slots) & ((copy < 0) | (copy >= n_tokens.to(tl.int64) * TOP_K))
-        dy_ptr = DY + slots.to(tl.int64)[:, None] * n_cols
-        for start in range(0, n_cols, BLOCK_H):
-            cols = start + tl.arange(0, BLOCK_H)
-            tl.store(dy_ptr + cols[None, :], tl.zeros([BLOCK_M, BLOCK_H], DY.dtype.element_ty),
-                     mask=pad[:, None] & (cols < n_cols)[None, :])
+        _zero_padding_rows(DY, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
+                           BLOCK_M, BLOCK_H)
 
 
 @triton.jit
