@@ -2,7 +2,7 @@
 for each case and pass, each kernel launched per call with its device time (the profiler's, the
 benchmark's method: `timing.profile_device_us`), for torch_api, jax_api and XLA's own RMSNorm (CUPTI
 records XLA's kernels too: its kernels listed here show it), beside the earlier methods (torch: CUDA graph
-under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time to issue one call.
+under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time to launch one call.
 
     python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick] [--triton-ptxas]
     python3 -m tools.jax_torch_profile --ptxas [--out DIR]
@@ -21,7 +21,7 @@ forward, backward and forward + backward lower to for CUDA (`jax.export`): every
 its kernel's name, so that any op around the kernels (a fill, copy, transpose, convert) shows.
 
 Reading it: the same kernels with the same device time in both front ends, and a JAX loop time above
-the JAX device time by about the JAX host issue time, say that the difference the loop measured is host
+the JAX device time by about the JAX host launch time, say that the difference the loop measured is host
 launch cost (XLA's thunk and jax-triton's custom call, per kernel), not device work. A kernel in one list
 only, or one whose time differs, is device work to remove. Without a GPU it runs through once at tiny
 sizes (smoke: not a measurement).
@@ -56,7 +56,7 @@ def _case(op_name: str, shape):
 
 
 def profile_case(op_name: str, shape, passes, device: str) -> list[dict]:
-    """A dict per (pass, implementation): device µs per call by each method, host issue µs, kernels."""
+    """A dict per (pass, implementation): device µs per call by each method, host launch µs, kernels."""
     from benchmarks import timing
     from benchmarks.runner import jax_calls, jax_loop, to_jax, torch_make_calls
 
@@ -82,7 +82,7 @@ def profile_case(op_name: str, shape, passes, device: str) -> list[dict]:
                     loop_us, _ = timing.jax_device_us(step, consts, state, len(jsets) * 10.0)
                     row["loop_us"] = loop_us / len(jsets)
                 row["device_us"], row["timing"], row["kernels"] = timing.profile_device_us(calls, sync)
-                row["host_wall_us"], row["host_issue_us"] = timing.host_us_per_call(calls[0], sync, 500)
+                row["host_wall_us"], row["host_launch_us"] = timing.host_us_per_call(calls[0], sync, 500)
             except Exception as err:  # noqa: BLE001 - one failing implementation must not hide the others
                 row["status"] = timing.error_status(err)
             out.append(row)
@@ -110,8 +110,8 @@ def text(rows: list[dict]) -> str:
             continue
         other = (f"CUDA graph (do_bench) {row['graph_us']:.2f} µs" if "graph_us" in row else
                  f"fori_loop (host wall) {row['loop_us']:.2f} µs")
-        lines.append(f"{head}: device {row['device_us']:.2f} µs/call; {other}; host per call: issue "
-                     f"{row['host_issue_us']:.1f} µs, wall {row['host_wall_us']:.1f} µs; {row['input_sets']} set(s)")
+        lines.append(f"{head}: device {row['device_us']:.2f} µs/call; {other}; host per call: launch "
+                     f"{row['host_launch_us']:.1f} µs, wall {row['host_wall_us']:.1f} µs; {row['input_sets']} set(s)")
         lines += [f"    {k['us']:8.2f} µs  x{k['count']:<4.3g} {k['cat']:<10} {k['name'][:100]}"
                   for k in row["kernels"]]
     lines += ["", "JAX / torch, device time per call (torch µs / JAX µs: below 1, JAX is slower):"]

@@ -76,7 +76,7 @@ def eager(*tensors: torch.Tensor | None) -> int:
                 needs = True
     if _is_compiling() or _dispatch_modes():
         return REGISTERED
-    if forward_ad._current_level >= 0 or _peek_functorch() is not None:
+    if forward_mode():
         return TRANSFORM
     return AUTOGRAD if needs else DIRECT
 
@@ -171,6 +171,16 @@ def readable(t: torch.Tensor | None, copy: bool) -> torch.Tensor | None:
     if copy:
         return t.contiguous() if t.data_ptr() & 15 == 0 else t.clone(memory_format=torch.contiguous_format)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def aligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None: absent) starts at a 16-byte-aligned address: the in-place check of an
+    executor hit, one for all of a call's tensors (`readable` says why alignment matters)."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return not bits & 15
 
 
 def flat_weight(weight: torch.Tensor | None) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from torch_api._launch import (
     AUTOGRAD,
     DIRECT,
     Executor,
+    aligned,
     aligned_weight,
     cached,
     check_device,
@@ -172,8 +173,7 @@ class _Forward:
         self.in_place = not self.copy_x and not self.copy_r and flat_weight(weight) is weight
 
     def __call__(self, x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.in_place and not (x.data_ptr() | residual.data_ptr()
-                                  | (0 if weight is None else weight.data_ptr())) & 15:
+        if self.in_place and aligned(x, residual, weight):
             y, res = self.run.run(x, residual, weight)
         else:
             y, res = self.run.run(readable(x, self.copy_x), readable(residual, self.copy_r), aligned_weight(weight))
@@ -195,8 +195,7 @@ class _Backward:
         self.in_place = not self.copy_dy and not self.copy_dres and flat_weight(weight) is weight
 
     def __call__(self, dy, dres, res, weight):
-        if self.in_place and not (dy.data_ptr() | (0 if dres is None else dres.data_ptr())
-                                  | (0 if weight is None else weight.data_ptr())) & 15:
+        if self.in_place and aligned(dy, dres, weight):
             dsum, dw = self.run.run(res, weight, dy, dres)
         else:
             dsum, dw = self.run.run(res, aligned_weight(weight), readable(dy, self.copy_dy),

@@ -20,6 +20,7 @@ from torch_api._launch import (
     REGISTERED,
     TRANSFORM,
     Executor,
+    aligned,
     aligned_weight,
     cached,
     check_device,
@@ -119,7 +120,7 @@ class _Forward:
         self.in_place = not self.copy_x and flat_weight(weight) is weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if self.in_place and not (x.data_ptr() | (0 if weight is None else weight.data_ptr())) & 15:
+        if self.in_place and aligned(x, weight):
             return self.run.run(x, weight)[0]
         return self.run.run(readable(x, self.copy_x), aligned_weight(weight))[0]
 
@@ -137,7 +138,7 @@ class _Backward:
         self.in_place = not self.copy_x and not self.copy_dy and flat_weight(weight) is weight
 
     def __call__(self, dy, x, weight):
-        if self.in_place and not (dy.data_ptr() | x.data_ptr() | (0 if weight is None else weight.data_ptr())) & 15:
+        if self.in_place and aligned(dy, x, weight):
             dx, dw = self.run.run(x, weight, dy)
         else:
             dx, dw = self.run.run(readable(x, self.copy_x), aligned_weight(weight), readable(dy, self.copy_dy))
