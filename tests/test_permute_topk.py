@@ -443,8 +443,9 @@ def test_token_major_dispatch_is_the_gather(dtype):
     """`permute_token_major_recipe` (each token row read once, written to its copies' slots; padding slots
     zeroed by programs of their own) gives the gather's result bit for bit: padding, dropped copies and an
     empty expert, output poisoned first so that every slot must be written."""
-    from torch_api._launch import _alloc
     from torch_api._launch import launch as launch_plan
+    from torch_api._launch import run_recipe
+    from xkern.launch import Recipe
     from xkern.permute import permute_token_major_recipe
 
     tokens, top_k, hidden = 13, 3, 40
@@ -453,8 +454,7 @@ def test_token_major_dispatch_is_the_gather(dtype):
     want = torch_api.permute_rows(x, idx, top_k=top_k)
     recipe = permute_token_major_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32")
     scatter, rows = recipe.steps
-    raw = _alloc(scatter.outputs[0], DEVICE)
-    launch_plan(scatter.launch, idx, raw, **scatter.scalars)
+    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
     out = torch.full((idx.numel(), hidden), float("nan"), dtype=x.dtype, device=DEVICE)
     launch_plan(rows.launch, x, raw, idx, out, **rows.scalars)
     assert same_bits(out, want)
@@ -466,8 +466,9 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     """`combine_bwd_token_major_recipe` (each dout row read once) gives `combine_bwd_recipe`'s dy and dprobs bit
     for bit (the same tile sums each row in the same chunks): padding slots zeroed, dropped copies' dprobs 0,
     dy poisoned first so that every slot must be written."""
-    from torch_api._launch import _alloc, run_recipe
     from torch_api._launch import launch as launch_plan
+    from torch_api._launch import run_recipe
+    from xkern.launch import Recipe
     from xkern.permute import combine_bwd_recipe, combine_bwd_token_major_recipe
 
     tokens, top_k, hidden = 13, 3, 40
@@ -478,8 +479,7 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     args = (idx.numel(), hidden, tokens * top_k, dtype, hidden, hidden, top_k, dtype)
     want = run_recipe(combine_bwd_recipe(*args), DEVICE, dout=dout, y=y, idx=idx, probs=probs)
     scatter, grads = combine_bwd_token_major_recipe(*args, "int32").steps
-    raw = _alloc(scatter.outputs[0], DEVICE)
-    launch_plan(scatter.launch, idx, raw, **scatter.scalars)
+    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
     dy = torch.full((idx.numel(), hidden), float("nan"), dtype=dout.dtype, device=DEVICE)
     dprobs = torch.zeros(tokens * top_k, dtype=probs.dtype, device=DEVICE)
     launch_plan(grads.launch, dout, y, raw, idx, probs, dy, dprobs, **grads.scalars)

@@ -46,7 +46,7 @@ def op_steps(size: dict, device: str):
     """(name, step, arrays, minimum bytes, reference) of each kernel at this size: the recipe's last step (the
     kernel probed), its input and output arrays (the earlier steps run once to make its inputs), and where
     another path defines its result, that result's maker (else the plan's own result is the reference)."""
-    from torch_api._launch import _alloc, run_recipe
+    from torch_api._launch import run_recipe
 
     t, k, h, e = size["tokens"], size["top_k"], size["hidden"], size["experts"]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -89,7 +89,7 @@ def op_steps(size: dict, device: str):
                            run_recipe(dataclasses.replace(recipe, steps=tuple(before),
                                                           results=tuple(b.name for s in before for b in s.outputs)),
                                       device, **inputs)))
-        outs = [_alloc(b, device) for b in last.outputs]
+        outs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device=device) for b in last.outputs]
         yield name, last, [env[n] for n in last.inputs] + outs, nbytes, references.get(name)
 
 
