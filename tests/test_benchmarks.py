@@ -618,7 +618,8 @@ def test_host_gather_peers_compute_what_xkern_computes():
 def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
     """The JAX MoE benchmark's grouped GEMM by jax's Mosaic GPU kernels (Hopper only): with the two kernels
     replaced by CPU references of their signatures (operands as they lie, transpose flag, block arguments, rows
-    past the groups left unwritten), its result and gradients are ragged_dot's."""
+    past the groups left unwritten: NaN), its result and gradients are ragged_dot's for groups that cover every
+    row, as both paths' do."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -650,7 +651,7 @@ def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
     rng = np.random.default_rng(6)
     sizes = [5, 0, 17, 3, 40]
     gs = jnp.asarray(sizes, jnp.int32)
-    rows = sum(sizes) + 7
+    rows = sum(sizes)
     x, dy = (jnp.asarray(rng.standard_normal((rows, n)), jnp.float32) for n in (24, 40))
     w = jnp.asarray(rng.standard_normal((len(sizes), 24, 40)), jnp.float32)
     want, want_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs), x, w)
@@ -660,6 +661,44 @@ def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-3)
     assert ("rows", True, (rows, 40), (5, 24, 40)) in seen  # dx: the weights read transposed, never copied
     assert ("weights", (rows, 24), (rows, 40)) in seen
+
+
+def test_jax_moe_xkern_groups_cover_every_row():
+    """The xkern path hands its experts groups that cover its whole rows buffer (the grouped GEMM leaves no row
+    unwritten): each expert's block padded to ALIGN rows, the buffer's tail in the last group, and every row
+    that no copy fills, padding and tail, zero."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import jax_moe_layer
+
+    t, k, e, h = 24, 2, 5, 16
+    rng = np.random.default_rng(8)
+    ids = jnp.asarray(np.stack([rng.choice(e - 1, k, replace=False) for _ in range(t)]), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, h)) + 3.0, jnp.float32)
+    probs = jnp.full((t, k), 0.5, jnp.float32)
+    seen = {}
+
+    class Identity:
+        num_experts = e
+
+        def __call__(self, rows, group_sizes):
+            seen.update(rows=np.asarray(rows), sizes=np.asarray(group_sizes))
+            return rows
+
+    out = jax_moe_layer.xkern_moe(x, probs, ids, Identity())
+    np.testing.assert_allclose(out, x, rtol=1e-6)  # the copies' weights sum to 1
+    rows, sizes = seen["rows"], seen["sizes"]
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=e)
+    padded = -(-counts // jax_moe_layer.ALIGN) * jax_moe_layer.ALIGN
+    assert rows.shape[0] == t * k + e * jax_moe_layer.ALIGN == sizes.sum()
+    np.testing.assert_array_equal(sizes[:-1], padded[:-1])
+    assert counts[-1] == 0 and sizes[-1] == rows.shape[0] - padded.sum() > 0
+    filled = np.abs(rows).sum(axis=1) > 0
+    assert filled.sum() == t * k
+    for ex in range(e):  # each expert's filled rows come first in its block
+        start = padded[:ex].sum()
+        assert filled[start:start + counts[ex]].all() and not filled[start + counts[ex]:start + padded[ex]].any()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.moe_probe` itself there")
