@@ -142,7 +142,8 @@ def _token_gather_op(top_k: int):
 
 
 def _token_gather_kernel(x, idx, top_k: int):
-    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k)
+    recipe = contract.permute_recipe(idx.shape[0], x.shape[1], x.shape[0], x.dtype.name, x.shape[1], top_k,
+                                    idx.dtype.name)
     return execute(recipe, x=x, idx=idx)[0]
 
 
@@ -170,7 +171,7 @@ def _combine_bwd_kernel(dout, y, idx, probs, dprobs_dtype=None, *, num_rows: int
     """dy, and dprobs in `dprobs_dtype` (default probs')."""
     dprobs_dtype = probs.dtype if dprobs_dtype is None else jnp.dtype(dprobs_dtype)
     recipe = contract.combine_bwd_recipe(idx.shape[0], y.shape[1], num_rows, y.dtype.name, dout.shape[1], y.shape[1],
-                                         top_k, dprobs_dtype.name)
+                                         top_k, dprobs_dtype.name, idx.dtype.name)
     dy, dprobs = execute(recipe, dout=dout, y=y, idx=idx, probs=probs.reshape(-1))
     return dy, dprobs.reshape(probs.shape)
 

@@ -95,6 +95,30 @@ if __name__ == "__main__":
     print(json.dumps(_export_all()))
 
 
+@pytest.mark.parametrize("choice", ["default", "jaxlib"])
+def test_import_puts_tritons_assembler_first(choice, tmp_path):
+    """`import jax_api` on a GPU machine (no interpreter) puts Triton's ptxas first on PATH, so that jaxlib
+    assembles torch_api's machine code; XKERN_JAX_PTXAS=jaxlib leaves PATH as it was."""
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ptxas").write_text("#!/bin/sh\n")
+    (other / "ptxas").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XKERN_JAX_PTXAS")}
+    env.update(JAX_PLATFORMS="cpu", PATH=f"{other}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               **({"XKERN_JAX_PTXAS": "jaxlib"} if choice == "jaxlib" else {}))
+    code = "import shutil, jax_api; print(shutil.which('ptxas'))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = run.stdout.strip().splitlines()[-1]
+    if choice == "jaxlib":
+        assert found == str(other / "ptxas")
+    else:
+        import triton
+
+        assert found == os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
 def test_use_triton_ptxas_puts_tritons_assembler_first(monkeypatch, tmp_path):
     """`jax_api.use_triton_ptxas()`: the `ptxas` a PATH search finds (jaxlib's assembler searches PATH before
     the CUDA packages) is then Triton's own, the one torch_api's launches use; calling it again changes nothing."""

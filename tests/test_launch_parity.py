@@ -255,10 +255,10 @@ def _compare_moe(checks) -> int:
         ours = [
             ("_gather_token_rows_kernel", _torch_ptx(plan_gather_token_rows(slots, h, size, h), [x, idx, out_s], dict(
                 n_rows=slots, n_cols=h, n_src_rows=tokens, src_row_stride=h, top_k=top_k))),
-            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, True), [y, raw, idx, probs, out_t],
-                                                combine)),
-            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, False), [y, raw, idx, idx, out_t],
-                                                combine)),
+            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, True, top_k),
+                                                [y, raw, idx, probs, out_t], combine)),
+            ("_combine_rows_kernel", _torch_ptx(plan_combine(tokens, h, size, h, False, top_k),
+                                                [y, raw, idx, idx, out_t], combine)),
             ("_combine_bwd_kernel", _torch_ptx(plan_combine_bwd(slots, h, size, h, h), [out_t, y, idx, probs, out_s,
                                                                                        probs], dict(
                 n_slots=slots, n_cols=h, num_rows=n, dout_row_stride=h, y_row_stride=h, top_k=top_k))),

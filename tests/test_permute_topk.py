@@ -150,7 +150,7 @@ def test_every_output_element_is_written():
         raw = torch.full((n,), garbage, dtype=torch.int32, device=DEVICE)
         launch(plan_scatter_inverse(slots), idx, raw, n_slots=slots, n_rows=n)
         comb = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        launch(plan_combine(tokens, hidden, 2, hidden, True), to_torch(y), raw, idx, to_torch(probs), comb,
+        launch(plan_combine(tokens, hidden, 2, hidden, True, top_k), to_torch(y), raw, idx, to_torch(probs), comb,
                n_tokens=tokens, n_cols=hidden, n_src_rows=slots, src_row_stride=hidden, top_k=top_k)
         assert same_bits(comb, torch_api.unpermute_rows(to_torch(y), idx, n, top_k=top_k, probs=to_torch(probs)))
     dy = torch.full((slots, hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -440,19 +440,20 @@ def test_each_unpermute_form_is_the_core_recipe(monkeypatch, top_k, weighted):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_token_major_dispatch_is_the_gather(dtype):
-    """`permute_token_major_recipe` (each token row read once, written to its copies' slots; padding slots
-    zeroed by programs of their own) gives the gather's result bit for bit: padding, dropped copies and an
-    empty expert, output poisoned first so that every slot must be written."""
+    """permute_rows(top_k) token-major (`permute_recipe(..., token_major=True)`: each token row read once,
+    written to its copies' slots; padding slots zeroed by programs of their own) gives the gather's result bit
+    for bit: padding, dropped copies and an empty expert, output poisoned first so that every slot must be
+    written."""
     from torch_api._launch import launch as launch_plan
     from torch_api._launch import run_recipe
     from xkern.launch import Recipe
-    from xkern.permute import permute_token_major_recipe
+    from xkern.permute import permute_recipe
 
     tokens, top_k, hidden = 13, 3, 40
     idx = to_torch(_routing(("token-major", dtype), tokens, top_k, experts=6).astype(np.int32))
     x = to_torch(rand(_rng("token-major values", dtype), (tokens, hidden), dtype))
     want = torch_api.permute_rows(x, idx, top_k=top_k)
-    recipe = permute_token_major_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32")
+    recipe = permute_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32", token_major=True)
     scatter, rows = recipe.steps
     (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
     out = torch.full((idx.numel(), hidden), float("nan"), dtype=x.dtype, device=DEVICE)
@@ -463,13 +464,13 @@ def test_token_major_dispatch_is_the_gather(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_token_major_combine_backward_is_the_slot_major_one(dtype):
-    """`combine_bwd_token_major_recipe` (each dout row read once) gives `combine_bwd_recipe`'s dy and dprobs bit
-    for bit (the same tile sums each row in the same chunks): padding slots zeroed, dropped copies' dprobs 0,
-    dy poisoned first so that every slot must be written."""
+    """The combine backward token-major (`combine_bwd_recipe(..., token_major=True)`: each dout row read once)
+    gives the slot-major form's dy and dprobs bit for bit (the same tile sums each row in the same chunks):
+    padding slots zeroed, dropped copies' dprobs 0, dy poisoned first so that every slot must be written."""
     from torch_api._launch import launch as launch_plan
     from torch_api._launch import run_recipe
     from xkern.launch import Recipe
-    from xkern.permute import combine_bwd_recipe, combine_bwd_token_major_recipe
+    from xkern.permute import combine_bwd_recipe
 
     tokens, top_k, hidden = 13, 3, 40
     idx = to_torch(_routing(("token-major bwd", dtype), tokens, top_k, experts=6).astype(np.int32))
@@ -477,11 +478,48 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     dout, y = to_torch(rand(rng, (tokens, hidden), dtype)), to_torch(rand(rng, (idx.numel(), hidden), dtype))
     probs = to_torch(rand(rng, (tokens * top_k,), dtype))
     args = (idx.numel(), hidden, tokens * top_k, dtype, hidden, hidden, top_k, dtype)
-    want = run_recipe(combine_bwd_recipe(*args), DEVICE, dout=dout, y=y, idx=idx, probs=probs)
-    scatter, grads = combine_bwd_token_major_recipe(*args, "int32").steps
+    want = run_recipe(combine_bwd_recipe(*args, "int32", token_major=False), DEVICE, dout=dout, y=y, idx=idx,
+                      probs=probs)
+    scatter, grads = combine_bwd_recipe(*args, "int32", token_major=True).steps
     (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
     dy = torch.full((idx.numel(), hidden), float("nan"), dtype=dout.dtype, device=DEVICE)
     dprobs = torch.zeros(tokens * top_k, dtype=probs.dtype, device=DEVICE)
     launch_plan(grads.launch, dout, y, raw, idx, probs, dy, dprobs, **grads.scalars)
     assert same_bits(dy, want[0]) and same_bits(dprobs, want[1])
     assert not dy[idx < 0].any() and (dprobs != 0).sum() == (idx >= 0).sum()  # padding zero; a dprob per slot
+
+
+def test_token_major_regime_is_bitwise_the_one_launch_regime(monkeypatch):
+    """Above ONE_LAUNCH_SLOTS slots permute_rows(top_k) and the weighted combine's backward run token-major
+    (`permute_recipe`, `combine_bwd_recipe`): through both front ends, forward and backward, bit for bit the
+    one-launch regime's results (the threshold lowered here, so that small shapes cross it)."""
+    from torch_api._launch import executor_cache
+    from xkern import permute as XP
+
+    tokens, top_k, hidden = 11, 4, 72
+    idx = _routing(("regime",), tokens, top_k, experts=5).astype(np.int32)
+    rng = _rng("regime")
+    x, y = rand(rng, (tokens, hidden), "bfloat16"), rand(rng, (len(idx), hidden), "bfloat16")
+    probs = rand(rng, (tokens, top_k), "float32")
+    dout_c, dout_p = rand(rng, (tokens, hidden), "bfloat16"), rand(rng, (len(idx), hidden), "bfloat16")
+    args = (x, y, probs, dout_c, dout_p, idx, top_k)
+
+    def kernels():
+        fwd = XP.permute_recipe(len(idx), hidden, tokens, "bfloat16", hidden, top_k, "int32")
+        bwd = XP.combine_bwd_recipe(len(idx), hidden, tokens * top_k, "bfloat16", hidden, hidden, top_k, "float32")
+        return {s.launch.kernel.__name__ for r in (fwd, bwd) for s in r.steps}
+
+    results = []
+    for threshold in (XP.ONE_LAUNCH_SLOTS, 8):
+        monkeypatch.setattr(XP, "ONE_LAUNCH_SLOTS", threshold)
+        XP.permute_recipe.cache_clear()
+        XP.combine_bwd_recipe.cache_clear()
+        token_major = {"_scatter_token_rows_kernel", "_combine_bwd_token_kernel"}
+        assert (token_major <= kernels()) == (threshold == 8), kernels()
+        with executor_cache():
+            results.append((_torch_run(*args), _jax_run(*args)))
+    XP.permute_recipe.cache_clear()
+    XP.combine_bwd_recipe.cache_clear()
+    (t1, j1), (t2, j2) = results
+    for a, b, c, d in zip(t1, t2, j1, j2, strict=True):
+        assert same_bits(a, b) and same_bits(c, d) and same_bits(a, to_torch(np.asarray(c)))

@@ -4,11 +4,12 @@ benchmark's method: `timing.profile_device_us`), for torch_api, jax_api and XLA'
 records XLA's kernels too: its kernels listed here show it), beside the earlier methods (torch: CUDA graph
 under do_bench; JAX: host wall time of a jitted fori_loop) and the host's time to launch one call.
 
-    python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick] [--triton-ptxas]
+    python3 -m tools.jax_torch_profile [--out DIR] [--cases all|quick] [--jaxlib-ptxas]
     python3 -m tools.jax_torch_profile --ptxas [--out DIR]
 
-`--triton-ptxas`: JAX's kernels assembled by Triton's ptxas as torch's are (`jax_api.use_triton_ptxas()`),
-so both front ends run the same binaries; the JSON records which.
+JAX's kernels are assembled by Triton's ptxas as torch's are (`import jax_api` puts it first on PATH:
+`jax_api.use_triton_ptxas`), so both front ends run the same binaries; `--jaxlib-ptxas` (XKERN_JAX_PTXAS=jaxlib)
+leaves jaxlib's own search; the JSON records which.
 
 `--ptxas` (no GPU needed; run where the GPU's jax is installed): the two front ends compile the same PTX
 (Triton's, the same specialization), but torch's launcher assembles it with Triton's bundled ptxas and
@@ -261,14 +262,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", choices=tuple(CASES), default="all")
     parser.add_argument("--ptxas", action="store_true", help="compare the ptxas binaries' machine code (no GPU; "
                         "run without TRITON_INTERPRET)")
-    parser.add_argument("--triton-ptxas", action="store_true", help="JAX's kernels assembled by Triton's ptxas "
-                        "(jax_api.use_triton_ptxas), as torch's are")
+    parser.add_argument("--jaxlib-ptxas", action="store_true", help="JAX's kernels assembled by jaxlib's own "
+                        "ptxas search, not Triton's ptxas as torch's are (XKERN_JAX_PTXAS=jaxlib)")
     args = parser.parse_args(argv)
-    jax_ptxas = "jaxlib's search (PATH, CUDA_HOME, /usr/local/cuda, pip CUDA packages)"
-    if args.triton_ptxas:
-        import jax_api
+    if args.jaxlib_ptxas:  # read when jax_api is first imported
+        if "jax_api" in sys.modules:
+            raise RuntimeError("--jaxlib-ptxas: jax_api was imported before the option could take effect")
+        os.environ["XKERN_JAX_PTXAS"] = "jaxlib"
+    import jax_api._launch  # noqa: F401  (its import puts Triton's ptxas first unless told otherwise)
 
-        jax_ptxas = "Triton's: " + jax_api.use_triton_ptxas()
+    jax_ptxas = "jaxlib's search (PATH, CUDA_HOME, /usr/local/cuda, pip CUDA packages)" if args.jaxlib_ptxas else \
+        "Triton's (jax_api.use_triton_ptxas)"
     if args.ptxas:
         rows = ptxas_rows()
         ops = hlo_ops()

@@ -11,8 +11,9 @@ depend on the tile), but the combine backward's dprobs, whose FP32 sum over a ro
 Each candidate compiles once (about a second); 24 tiles, 48 for each combine: about 3 minutes a size.
 
 Candidates: rows per program (BLOCK_M) x columns per step (BLOCK_H) x warps, and for the combine its loop
-over the copies as a loop (TOP_K 0, the plan's) or unrolled (TOP_K = top_k); the plan's tile is
-`xkern.permute._row_tile` (16 KB per step, 8 warps at bf16 1024 columns).
+over the copies as a loop (TOP_K 0) or unrolled (TOP_K = top_k); the plans' tiles are `xkern.permute._row_tile`
+(16 KB per step, 8 warps at bf16 1024 columns: the gather) and `xkern.permute._token_tile` (4 rows of 512 bytes,
+4 warps: the combines, the combine backward and the token-major kernels).
 """
 
 from __future__ import annotations
@@ -60,25 +61,25 @@ def op_steps(size: dict, device: str):
     dout = torch.randn(t, h, generator=gen).to(device, torch.bfloat16)
     item, valid = 2, rows * h * 2  # bytes of the routed rows (padding slots hold no copy)
     recipes = {
-        "permute_rows(top_k)": (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k), dict(x=x, idx=slot_copy),
-                                t * h * item + n_slots * h * item),
-        TOKEN_MAJOR: (XP.permute_token_major_recipe(n_slots, h, t, "bfloat16", h, k, "int32"),
+        "permute_rows(top_k)": (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=False),
+                                dict(x=x, idx=slot_copy), t * h * item + n_slots * h * item),
+        TOKEN_MAJOR: (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=True),
                       dict(x=x, idx=slot_copy), t * h * item + n_slots * h * item),
         "copy-sum": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, None),
                      dict(y=y, idx=slot_copy), valid + t * h * item),
         "weighted combine": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, "bfloat16"),
                              dict(y=y, idx=slot_copy, probs=probs), valid + t * h * item),
-        "combine backward": (XP.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16"),
+        "combine backward": (XP.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
+                                                   token_major=False),
                              dict(dout=dout, y=y, idx=slot_copy, probs=probs),
                              t * h * item + valid + n_slots * h * item),
-        BWD_TOKEN_MAJOR: (XP.combine_bwd_token_major_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16",
-                                                            "int32"),
+        BWD_TOKEN_MAJOR: (XP.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
+                                                token_major=True),
                           dict(dout=dout, y=y, idx=slot_copy, probs=probs), t * h * item + valid + n_slots * h * item),
     }
-    import torch_api
 
-    # what the token-major dispatch must equal bit for bit: the gather's result through the front end
-    references = {TOKEN_MAJOR: lambda: [torch_api.permute_rows(x, slot_copy, top_k=k)],
+    # what the token-major forms must equal bit for bit: the gather's and the slot-major backward's results
+    references = {TOKEN_MAJOR: lambda: run_recipe(recipes["permute_rows(top_k)"][0], device, x=x, idx=slot_copy),
                   BWD_TOKEN_MAJOR: lambda: run_recipe(recipes["combine backward"][0], device, dout=dout, y=y,
                                                       idx=slot_copy, probs=probs)}
     for name, (recipe, inputs, nbytes) in recipes.items():

@@ -59,7 +59,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # gives them.
 def _permute_recipe(x, idx, top_k: int = 1):
     return permute_recipe(int(idx.shape[0]), int(x.shape[1]), int(x.shape[0]), dtype_name(x.dtype), int(x.stride(0)),
-                          top_k)
+                          top_k, dtype_name(idx.dtype))
 
 
 def _unpermute_recipe(y, idx, num_rows: int, top_k: int = 1, probs=None):
@@ -69,7 +69,7 @@ def _unpermute_recipe(y, idx, num_rows: int, top_k: int = 1, probs=None):
 
 def _combine_grads_recipe(dout, y, idx, probs, num_rows, top_k):
     return combine_bwd_recipe(int(idx.shape[0]), int(y.shape[1]), num_rows, dtype_name(y.dtype), int(dout.stride(0)),
-                              int(y.stride(0)), top_k, dtype_name(probs.dtype))
+                              int(y.stride(0)), top_k, dtype_name(probs.dtype), dtype_name(idx.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,13 +27,14 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
                            token; no [T * top_k, H] copy);
   _scatter_token_rows_kernel the same, token-major: each token row read once, written to its copies' slots
                            (after _scatter_inverse_kernel); padding slots zeroed by the programs after them.
-                           Not in a plan yet (`tools.moe_probe` times it);
+                           Above ONE_LAUNCH_SLOTS slots (`permute_recipe`);
   _combine_rows_kernel     unpermute_rows with top_k or probs: out[t] = sum_j p[t, j] * y[slot of t * top_k + j]
                            in FP32, j in order, rounded once, slots through the raw scatter settled on the fly
                            (after _scatter_inverse_kernel: two launches); also permute_rows(top_k)'s backward;
   _combine_bwd_kernel      the weighted combine's backward, per slot: dy[s] = p * dout[t] and dprobs[r] =
                            sum_h y[s, h] * dout[t, h] (FP32) from one read of each row, no atomics;
-  _combine_bwd_token_kernel  the same, token-major: each dout row read once. Not in a plan yet;
+  _combine_bwd_token_kernel  the same, token-major: each dout row read once (after _scatter_inverse_kernel).
+                           Above ONE_LAUNCH_SLOTS slots (`combine_bwd_recipe`);
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
   _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
@@ -183,7 +184,7 @@ def _scatter_token_rows_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr,
 ):
-    # permute_rows(top_k) token-major (`permute_token_major_recipe`): the first `token_programs` programs read
+    # permute_rows(top_k) token-major (`permute_recipe`): the first `token_programs` programs read
     # BLOCK_M token rows once and write each to the slots of its TOP_K copies (RAW[copy], settled by IDX as in
     # the combine: a copy with no slot writes nothing), where the gather reads a token row once per copy; the
     # programs after them write the zero rows of the padding slots (IDX naming no copy).
@@ -303,7 +304,7 @@ def _combine_bwd_token_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
 ):
-    # `_combine_bwd_kernel` token-major (`combine_bwd_token_major_recipe`): the first `token_programs` programs
+    # `_combine_bwd_kernel` token-major (`combine_bwd_recipe`): the first `token_programs` programs
     # read BLOCK_M rows of DOUT once and, for each of their TOP_K copies with a slot (RAW settled by IDX), write
     # DY[slot] = p * DOUT[t] and sum DPROBS[copy] = sum_h Y[slot, h] * DOUT[t, h] in FP32, chunk by chunk as
     # the slot-major kernel does; the programs after them write the zero rows of the padding slots. DPROBS
@@ -504,6 +505,24 @@ def _row_tile(n_cols: int, elem_size: int) -> tuple[int, int, int]:
     return block_m, block_h, max(1, min(8, block_m * block_h * elem_size // 2048))
 
 
+# The token-major kernels (the weighted combine and the copy-sum, permute_rows(top_k) and the combine's backward
+# above ONE_LAUNCH_SLOTS) and the slot-major combine backward: TOKEN_ROWS rows of TOKEN_STEP_BYTES per step, 4
+# warps (one 16-byte access a thread), the copies' loop unrolled up to MAX_UNROLL_K copies. At the Qwen3-MoE
+# size (16384 tokens, top 8, hidden 2048 bf16; H100, 2026-12-06, L2 flushed, `tools.moe_probe`): the combine
+# 211.8 us against 229.2 at the row tile (8 x 1024, 8 warps, a loop over the copies), the combine backward
+# token-major 415.7 against 647.5 at the row tile, permute_rows(top_k) token-major 233.2 against 243.2 (0.86,
+# 0.91 and 0.86 of the copy ceiling). The backward's dprobs sum its FP32 terms in BLOCK_H chunks: one tile for
+# both of its forms keeps them bitwise equal.
+TOKEN_ROWS = 4
+TOKEN_STEP_BYTES = 512
+MAX_UNROLL_K = 8
+
+
+def _token_tile(n_cols: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_H, num_warps) of the token-major kernels, the combines and the combine backward."""
+    return TOKEN_ROWS, min(next_pow2(n_cols), TOKEN_STEP_BYTES // elem_size), 4
+
+
 def plan_gather_token_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int) -> Launch:
     """permute_rows(top_k > 1): arrays `(src, idx, out)`, scalars `n_rows, n_cols, n_src_rows, src_row_stride,
     top_k`; the tile of `plan_gather_rows`."""
@@ -512,20 +531,22 @@ def plan_gather_token_rows(n_rows: int, n_cols: int, elem_size: int, src_row_str
                   {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h})
 
 
-def plan_combine(n_tokens: int, n_cols: int, elem_size: int, src_row_stride: int, has_probs: bool) -> Launch:
+def plan_combine(n_tokens: int, n_cols: int, elem_size: int, src_row_stride: int, has_probs: bool,
+                 top_k: int) -> Launch:
     """The weighted combine: arrays `(src, raw, idx, probs, out)` (probs: idx again without probs), scalars
     `n_tokens, n_cols, n_src_rows, src_row_stride, top_k`; BLOCK_M tokens per program, each summing its
-    top_k slot rows chunk by chunk into an FP32 tile (the gather's tile: 8 x 1024 for bf16)."""
-    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
+    top_k slot rows chunk by chunk into an FP32 tile (`_token_tile`), the copies unrolled (TOP_K) up to
+    MAX_UNROLL_K of them."""
+    block_m, block_h, num_warps = _token_tile(n_cols, elem_size)
     return Launch(_combine_rows_kernel, (max(1, cdiv(n_tokens, block_m)),), num_warps,
                   {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h,
-                   "HAS_PROBS": has_probs, "TOP_K": 0})
+                   "HAS_PROBS": has_probs, "TOP_K": top_k if top_k <= MAX_UNROLL_K else 0})
 
 
 def plan_combine_bwd(n_slots: int, n_cols: int, elem_size: int, dout_row_stride: int, y_row_stride: int) -> Launch:
     """The weighted combine's backward: arrays `(dout, y, idx, probs, dy, dprobs)`, scalars `n_slots, n_cols,
-    num_rows, dout_row_stride, y_row_stride, top_k`; BLOCK_M slots per program."""
-    block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
+    num_rows, dout_row_stride, y_row_stride, top_k`; BLOCK_M slots per program, the token-major form's tile."""
+    block_m, block_h, num_warps = _token_tile(n_cols, elem_size)
     return Launch(_combine_bwd_kernel, (max(1, cdiv(n_slots, block_m)),), num_warps,
                   {"ROW_ALIGN": row_align(n_cols, dout_row_stride, y_row_stride), "BLOCK_M": block_m,
                    "BLOCK_H": block_h})
@@ -572,6 +593,9 @@ def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -
     return sizes, fill
 
 
+DTYPE_OF = {"*bf16": "bfloat16", "*fp16": "float16", "*fp32": "float32"}  # Triton pointer type -> dtype name
+
+
 def compile_variants() -> list[tuple[Launch, dict]]:
     """Every (kernel, constexprs) the plans can choose, with a triton 3.6 `ASTSource` signature
     (constexpr parameters are listed as "constexpr"; their values are `launch.constexprs`):
@@ -597,23 +621,37 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                     variants.append((plan, sig))
                     variants.append((settled, {**sig, "RAW": index}))
                     variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
+    big = ONE_LAUNCH_SLOTS + 1  # the token-major forms' regime
     for elem_size, dtypes in ptr.items():  # the top_k forms: the narrowest, a middle and the chunked tiles
         for n_cols in (1, 16, 128, 1000, 7168):
             token = plan_gather_token_rows(1024, n_cols, elem_size, n_cols)
             bwd = plan_combine_bwd(1024, n_cols, elem_size, n_cols, n_cols)
+            # the copies' loop unrolled (top_k 1 and 8: the narrowest and widest unroll) or not (top_k 9)
+            top_ks = (1, MAX_UNROLL_K, MAX_UNROLL_K + 1) if n_cols in (1, 128, 7168) else (MAX_UNROLL_K,)
             for dtype in dtypes:
                 for index in ("*i32", "*i64"):
                     rows = {"IDX": index, "n_cols": "i32", "src_row_stride": "i64"}
                     variants.append((token, {"SRC": dtype, "OUT": dtype, **rows}))
                     for probs in (None, "*fp32", "*bf16"):
-                        combine = plan_combine(1024, n_cols, elem_size, n_cols, probs is not None)
-                        variants.append((combine, {"SRC": dtype, "OUT": dtype, "RAW": index, "PROBS": probs or index,
-                                                   **rows}))
+                        for top_k in top_ks:
+                            combine = plan_combine(1024, n_cols, elem_size, n_cols, probs is not None, top_k)
+                            variants.append((combine, {"SRC": dtype, "OUT": dtype, "RAW": index,
+                                                       "PROBS": probs or index, **rows}))
                         # dprobs in probs' dtype; and in fp32 for 16-bit probs (jax_api's combine backward with
                         # the hidden dim sharded sums the shards' dprobs in fp32 before rounding once)
                         for dprobs in {probs: None, "*fp32": None} if probs else ():
-                            variants.append((bwd, {"DOUT": dtype, "Y": dtype, "DY": dtype, "IDX": index,
-                                                   "PROBS": probs, "DPROBS": dprobs}))
+                            ptrs = {"DOUT": dtype, "Y": dtype, "DY": dtype, "IDX": index, "PROBS": probs,
+                                    "DPROBS": dprobs}
+                            variants.append((bwd, ptrs))
+                            if n_cols in (1, 128, 7168):
+                                for top_k in (2, MAX_UNROLL_K):
+                                    steps = combine_bwd_recipe(big, n_cols, big, DTYPE_OF[dtype], n_cols, n_cols,
+                                                               top_k, DTYPE_OF[probs]).steps
+                                    variants.append((steps[-1].launch, {**ptrs, "RAW": index}))
+                    if n_cols in (1, 128, 7168):
+                        for top_k in (2, MAX_UNROLL_K):
+                            steps = permute_recipe(big, n_cols, big, DTYPE_OF[dtype], n_cols, top_k).steps
+                            variants.append((steps[-1].launch, {"SRC": dtype, "RAW": index, "OUT": dtype, **rows}))
     for index in ("*i32", "*i64"):
         scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
         (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
@@ -755,30 +793,31 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
 
 @functools.lru_cache(maxsize=4096, typed=True)
 def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int,
-                   top_k: int = 1) -> Recipe:
-    """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots];
-    result out [n_slots, n_cols] contiguous. With top_k > 1, x holds one row per token and idx names routed
-    copies (slot s reads row idx[s] // top_k)."""
+                   top_k: int = 1, index_dtype: str = "int32", token_major: bool | None = None) -> Recipe:
+    """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots] of
+    `index_dtype`; result out [n_slots, n_cols] contiguous. With top_k > 1, x holds one row per token and idx
+    names routed copies (slot s reads row idx[s] // top_k): up to ONE_LAUNCH_SLOTS slots one gather launch
+    (host-bound calls), above it token-major (the same result: the raw scatter of idx, then
+    `_scatter_token_rows_kernel`, which reads each token row once where the gather reads it once per copy);
+    `token_major` True or False forces a form (`tools.moe_probe` times both)."""
     check_gather_sizes(n_slots)
     if top_k == 1:
         return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))
     check_row_count("x", n_src_rows * top_k, "routed copies (rows x top_k)")
     if n_slots * n_cols == 0 or n_src_rows == 0:
         return Recipe((Step(None, (), (Buffer("out", (n_slots, n_cols), dtype, fill=0),)),), ("out",))
+    if (not one_launch(n_slots)) if token_major is None else token_major:
+        return _permute_token_major(n_slots, n_cols, n_src_rows, dtype, src_row_stride, top_k, index_dtype)
     plan = plan_gather_token_rows(n_slots, n_cols, ITEMSIZE[dtype], src_row_stride)
     return Recipe((Step(plan, ("x", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
                         dict(n_rows=n_slots, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride,
                              top_k=top_k)),), ("out",))
 
 
-def permute_token_major_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int,
-                               top_k: int, index_dtype: str) -> Recipe:
-    """permute_rows(top_k) as `permute_recipe` computes it, token-major: the raw scatter of idx (each copy's
-    slot), then `_scatter_token_rows_kernel`, which reads each token row once (the gather reads it once per
-    copy). The same result for a valid layout (each copy in at most one slot). No plan takes it yet:
-    `tools.moe_probe` times it against the gather."""
+def _permute_token_major(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_row_stride: int, top_k: int,
+                         index_dtype: str) -> Recipe:
     check_gather_sizes(n_slots, n_src_rows * top_k)
-    block_m, block_h, num_warps = _row_tile(n_cols, ITEMSIZE[dtype])
+    block_m, block_h, num_warps = _token_tile(n_cols, ITEMSIZE[dtype])
     token_programs = cdiv(n_src_rows, block_m)
     plan = Launch(_scatter_token_rows_kernel, (max(1, token_programs + cdiv(n_slots, block_m)),), num_warps,
                   {"ROW_ALIGN": row_align(n_cols, src_row_stride), "BLOCK_M": block_m, "BLOCK_H": block_h,
@@ -827,7 +866,7 @@ def _combine_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_ro
     out = Buffer("out", (n_tokens, n_cols), dtype)
     if n_tokens * n_cols == 0 or n_slots == 0:  # nothing to read: zero rows
         return Recipe((Step(None, (), (dataclasses.replace(out, fill=0),)),), ("out",))
-    plan = plan_combine(n_tokens, n_cols, ITEMSIZE[dtype], src_row_stride, probs_dtype is not None)
+    plan = plan_combine(n_tokens, n_cols, ITEMSIZE[dtype], src_row_stride, probs_dtype is not None, top_k)
     combine = Step(plan, ("y", "raw", "idx", "idx" if probs_dtype is None else "probs"), (out,),
                    dict(n_tokens=n_tokens, n_cols=n_cols, n_src_rows=n_slots, src_row_stride=src_row_stride,
                         top_k=top_k))
@@ -836,30 +875,33 @@ def _combine_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_ro
 
 @functools.lru_cache(maxsize=4096, typed=True)
 def combine_bwd_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dout_row_stride: int,
-                       y_row_stride: int, top_k: int, probs_dtype: str) -> Recipe:
+                       y_row_stride: int, top_k: int, probs_dtype: str, index_dtype: str = "int32",
+                       token_major: bool | None = None) -> Recipe:
     """The weighted combine's backward. Inputs dout [num_rows // top_k, n_cols], y [n_slots, n_cols] (rows
-    `*_row_stride` apart, last dim contiguous), idx [n_slots], probs [num_rows] (flat); results dy [n_slots,
-    n_cols] (y's dtype: p * dout[t] rounded once, zero rows at padding) and dprobs [num_rows] (probs' dtype:
-    sum_h y[slot, h] * dout[t, h] in FP32, zero for dropped copies)."""
+    `*_row_stride` apart, last dim contiguous), idx [n_slots] of `index_dtype`, probs [num_rows] (flat);
+    results dy [n_slots, n_cols] (y's dtype: p * dout[t] rounded once, zero rows at padding) and dprobs
+    [num_rows] (probs' dtype: sum_h y[slot, h] * dout[t, h] in FP32, zero for dropped copies). Up to
+    ONE_LAUNCH_SLOTS slots (or top_k 1) one slot-major launch, above it token-major (bitwise the same results:
+    the raw scatter of idx, then `_combine_bwd_token_kernel`, which reads each dout row once where the
+    slot-major kernel reads it once per copy); `token_major` True or False forces a form."""
     check_gather_sizes(n_slots, num_rows)
     dy = Buffer("dy", (n_slots, n_cols), dtype)
     dprobs = Buffer("dprobs", (num_rows,), probs_dtype, fill=0)
     if n_slots * n_cols == 0 or num_rows == 0:  # no copy has a slot with anything to read
         return Recipe((Step(None, (), (dataclasses.replace(dy, fill=0), dprobs)),), ("dy", "dprobs"))
+    if (top_k > 1 and not one_launch(n_slots)) if token_major is None else token_major:
+        return _combine_bwd_token_major(n_slots, n_cols, num_rows, dtype, dout_row_stride, y_row_stride, top_k,
+                                        probs_dtype, index_dtype)
     plan = plan_combine_bwd(n_slots, n_cols, ITEMSIZE[dtype], dout_row_stride, y_row_stride)
     return Recipe((Step(plan, ("dout", "y", "idx", "probs"), (dy, dprobs),
                         dict(n_slots=n_slots, n_cols=n_cols, num_rows=num_rows, dout_row_stride=dout_row_stride,
                              y_row_stride=y_row_stride, top_k=top_k)),), ("dy", "dprobs"))
 
 
-def combine_bwd_token_major_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dout_row_stride: int,
-                                   y_row_stride: int, top_k: int, probs_dtype: str, index_dtype: str) -> Recipe:
-    """The weighted combine's backward as `combine_bwd_recipe` computes it, token-major: the raw scatter of
-    idx, then `_combine_bwd_token_kernel`, which reads each row of dout once (the slot-major kernel reads it
-    once per copy). Inputs dout, y, idx, probs as there. No plan takes it yet: `tools.moe_probe` times it."""
-    check_gather_sizes(n_slots, num_rows)
+def _combine_bwd_token_major(n_slots: int, n_cols: int, num_rows: int, dtype: str, dout_row_stride: int,
+                             y_row_stride: int, top_k: int, probs_dtype: str, index_dtype: str) -> Recipe:
     n_tokens = num_rows // top_k
-    block_m, block_h, num_warps = _row_tile(n_cols, ITEMSIZE[dtype])
+    block_m, block_h, num_warps = _token_tile(n_cols, ITEMSIZE[dtype])
     token_programs = cdiv(n_tokens, block_m)
     plan = Launch(_combine_bwd_token_kernel, (max(1, token_programs + cdiv(n_slots, block_m)),), num_warps,
                   {"ROW_ALIGN": row_align(n_cols, dout_row_stride, y_row_stride), "BLOCK_M": block_m,
