@@ -1,6 +1,6 @@
 """JAX front end of xkern: custom_vjp functions over the same Triton kernels and launch plans."""
 
-from jax_api._launch import use_triton_ptxas
+from jax_api._ptxas import use_triton_ptxas
 from jax_api.add_rms_norm import add_rms_norm
 from jax_api.ep import ep_combine, ep_dispatch
 from jax_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_api._ptxas import use_triton_ptxas
 from xkern.launch import INTERPRET, Launch, Recipe, bind, ordered_scalars, run_interpreted
 
 _FORCE_GPU = False  # set by gpu_lowering(): take the jax-triton branch on any backend
@@ -33,29 +34,9 @@ def gpu_lowering():
         _FORCE_GPU = saved
 
 
-def use_triton_ptxas() -> str:
-    """Put Triton's bundled ptxas first on PATH and return its directory; `import jax_api` does it (on a GPU
-    machine, unless XKERN_JAX_PTXAS=jaxlib). jaxlib assembles the PTX jax-triton hands it with the first ptxas
-    it finds (`./bin`, then PATH, then CUDA_HOME, /usr/local/cuda and the pip CUDA packages; jaxlib 0.11), not
-    Triton's: the same PTX then becomes other machine code than torch_api launches (CUDA 13.0's ptxas: 214
-    registers against Triton's 254 for the 32768x128 backward, 0.954 of torch's speed there; with Triton's
-    1.000, H100, 2026-12-06). With Triton's first, both front ends run the same binaries (the machine code
-    byte for byte, checked on a CPU through jaxlib 0.11.2's assembler). It takes effect for kernels jaxlib
-    first assembles afterwards; it changes PATH for the whole process (XLA's own kernels' speed measured
-    unchanged)."""
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.access(os.path.join(path, "ptxas"), os.X_OK):
-        raise FileNotFoundError(f"no executable ptxas in {path}: this triton build bundles none")
-    entries = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != path]
-    os.environ["PATH"] = os.pathsep.join([path, *entries])
-    return path
-
-
 # Both front ends launch the same machine code unless the user asks for jaxlib's own ptxas search.
 if not INTERPRET and os.environ.get("XKERN_JAX_PTXAS", "triton") != "jaxlib":
-    with contextlib.suppress(FileNotFoundError):  # a triton build without its ptxas: jaxlib's search stays
+    with contextlib.suppress(FileNotFoundError):  # no ptxas to route to: jaxlib's search stays
         use_triton_ptxas()
 
 

@@ -595,14 +595,14 @@ def test_hf_moe_step_runs_both_experts_paths(tmp_path):
 
 
 def test_host_gather_peers_compute_what_xkern_computes():
-    """The host table's gather and MoE rows: each peer returns what the xkern row beside it returns (on the CPU,
+    """The host table's gather and MoE rows: each peer returns what the xkern row beside it returns (on a CPU
     through the interpreter), so the table times like for like; the inverse's peer writes no padding slot."""
     import torch
 
     from benchmarks import host
 
     rows = {}
-    for op, _, impl, _, call in [*host._gather_entries("cpu"), *host._moe_entries("cpu")]:
+    for op, _, impl, _, call in [*host._gather_entries(DEVICE), *host._moe_entries(DEVICE)]:
         if not impl.startswith("floor"):  # the floors launch empty kernels
             rows.setdefault(op, {})[impl] = call()
     for op, impls in rows.items():

@@ -95,14 +95,21 @@ if __name__ == "__main__":
     print(json.dumps(_export_all()))
 
 
-@pytest.mark.parametrize("choice", ["default", "jaxlib"])
-def test_import_puts_tritons_assembler_first(choice, tmp_path):
-    """`import jax_api` on a GPU machine (no interpreter) puts Triton's ptxas first on PATH, so that jaxlib
-    assembles torch_api's machine code; XKERN_JAX_PTXAS=jaxlib leaves PATH as it was."""
+def _fake_ptxas(tmp_path):
+    """A `ptxas` standing for jaxlib's: it records that it ran."""
     other = tmp_path / "bin"
     other.mkdir()
-    (other / "ptxas").write_text("#!/bin/sh\n")
+    (other / "ptxas").write_text(f"#!/bin/sh\necho jaxlib-ptxas > {tmp_path / 'ran'}\n")
     (other / "ptxas").chmod(0o755)
+    return other
+
+
+@pytest.mark.parametrize("choice", ["default", "jaxlib"])
+def test_import_routes_ptx_to_tritons_assembler(choice, tmp_path):
+    """`import jax_api` on a GPU machine (no interpreter) puts first on PATH the ptxas that routes Triton's PTX
+    to Triton's assembler (torch_api's machine code) and the rest to jaxlib's; XKERN_JAX_PTXAS=jaxlib leaves
+    PATH as it was."""
+    other = _fake_ptxas(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XKERN_JAX_PTXAS")}
     env.update(JAX_PLATFORMS="cpu", PATH=f"{other}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -116,27 +123,41 @@ def test_import_puts_tritons_assembler_first(choice, tmp_path):
     else:
         import triton
 
-        assert found == os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        shim = Path(found).read_text()
+        assert Path(found).parent.name.startswith("xkern-ptxas-") and str(other / "ptxas") in shim
+        assert os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas") in shim
 
 
-def test_use_triton_ptxas_puts_tritons_assembler_first(monkeypatch, tmp_path):
-    """`jax_api.use_triton_ptxas()`: the `ptxas` a PATH search finds (jaxlib's assembler searches PATH before
-    the CUDA packages) is then Triton's own, the one torch_api's launches use; calling it again changes nothing."""
+def test_use_triton_ptxas_routes_by_ptx_version(monkeypatch, tmp_path):
+    """The `ptxas` that `jax_api.use_triton_ptxas()` puts first: PTX of an ISA version Triton's ptxas assembles
+    (Triton's own) goes to Triton's ptxas, a newer one (XLA's from jaxlib 0.11.2: 9.0) and `--version` to the
+    ptxas jaxlib's search finds; calling it again changes nothing."""
     import shutil
 
-    import triton
+    from jax_api import _ptxas
 
-    import jax_api
-
-    other = tmp_path / "bin"
-    other.mkdir()
-    (other / "ptxas").write_text("#!/bin/sh\n")
-    (other / "ptxas").chmod(0o755)
+    other = _fake_ptxas(tmp_path)
     monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
-    assert shutil.which("ptxas") == str(other / "ptxas")
-    path = jax_api.use_triton_ptxas()
-    assert path == os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    assert shutil.which("ptxas") == os.path.join(path, "ptxas")
+    monkeypatch.setattr(_ptxas, "_shim_dir", None)
+    path = _ptxas.use_triton_ptxas()
+    shim = shutil.which("ptxas")
+    assert shim == os.path.join(path, "ptxas")
     once = os.environ["PATH"]
-    jax_api.use_triton_ptxas()
+    _ptxas.use_triton_ptxas()
     assert os.environ["PATH"] == once and once.split(os.pathsep).count(path) == 1
+    _, max_version = _ptxas.triton_ptxas()
+    ran = tmp_path / "ran"
+    kernel = ".target sm_90a\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
+    for version, jaxlib in ((f"{max_version // 10}.{max_version % 10}", False), ("9.9", True), (None, True)):
+        ran.unlink(missing_ok=True)
+        out = tmp_path / "k.cubin"
+        out.unlink(missing_ok=True)
+        if version is None:
+            args = ["--version"]
+        else:
+            (tmp_path / "k.ptx").write_text(f"//\n// a test kernel\n//\n\n.version {version}\n" + kernel)
+            args = ["-arch=sm_90a", str(tmp_path / "k.ptx"), "-o", str(out)]
+        run = subprocess.run([shim, *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert ran.exists() == jaxlib, (version, run.stdout, run.stderr)
+        assert out.exists() == (not jaxlib)  # Triton's ptxas assembled it

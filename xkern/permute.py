@@ -201,7 +201,12 @@ def _scatter_token_rows_kernel(
             col_mask = (cols < n_cols)[None, :]
             vals = tl.load(src_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0)
             for j in tl.static_range(TOP_K):
-                slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
+                # `_settled_slot` written out: a store through a call's result counts, in torch.compile's
+                # access analysis, as a write to every pointer passed to the call (here RAW and IDX)
+                copy = first + j
+                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                ok = tok_mask & (slot >= 0) & (slot < n_slots)
+                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
                 tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
     else:
         _zero_padding_rows(OUT, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
@@ -324,18 +329,24 @@ def _combine_bwd_token_kernel(
             cols = start + tl.arange(0, BLOCK_H)
             col_mask = (cols < n_cols)[None, :]
             d = tl.load(dout_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(TOP_K):
-                slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
-                p = tl.load(PROBS + first + j, mask=hit, other=0.0).to(tl.float32)
+            for j in tl.static_range(TOP_K):  # `_settled_slot` written out, as in _scatter_token_rows_kernel
+                copy = first + j
+                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                ok = tok_mask & (slot >= 0) & (slot < n_slots)
+                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+                p = tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)
                 y = tl.load(Y + slot[:, None] * y_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
                             other=0.0).to(tl.float32)
                 tl.store(DY + slot[:, None] * n_cols + cols[None, :], (d * p[:, None]).to(DY.dtype.element_ty),
                          mask=hit[:, None] & col_mask)
                 dots = tl.where(ks == j, dots + tl.sum(y * d, axis=1)[:, None], dots)
         for j in tl.static_range(TOP_K):
-            slot, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
+            copy = first + j
+            slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+            ok = tok_mask & (slot >= 0) & (slot < n_slots)
+            hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
             dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
-            tl.store(DPROBS + first + j, dot.to(DPROBS.dtype.element_ty), mask=hit)
+            tl.store(DPROBS + copy, dot.to(DPROBS.dtype.element_ty), mask=hit)
     else:
         _zero_padding_rows(DY, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
                            BLOCK_M, BLOCK_H)
