@@ -209,7 +209,7 @@ def _scatter_token_rows_kernel(
                 hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
                 tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
     else:
-        _zero_padding_rows(OUT, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
+        _zero_padding_rows(OUT, IDX, pid - token_programs, n_slots, n_tokens * TOP_K, n_cols,
                            BLOCK_M, BLOCK_H)
 
 
@@ -348,7 +348,7 @@ def _combine_bwd_token_kernel(
             dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
             tl.store(DPROBS + copy, dot.to(DPROBS.dtype.element_ty), mask=hit)
     else:
-        _zero_padding_rows(DY, IDX, pid - token_programs, n_slots, n_tokens.to(tl.int64) * TOP_K, n_cols,
+        _zero_padding_rows(DY, IDX, pid - token_programs, n_slots, n_tokens * TOP_K, n_cols,
                            BLOCK_M, BLOCK_H)
 
 
