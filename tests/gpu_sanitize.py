@@ -94,7 +94,8 @@ def main():
         assert torch.equal(out, x) and torch.equal(x.grad.isfinite(), torch.ones_like(x.grad, dtype=torch.bool))
         count += 1
     # the top_k forms: dispatch from token rows, the weighted combine and its backward (dropped copies, an
-    # expert no token picks, odd widths, no tokens); the oracle in float64, the kernels sum in FP32
+    # expert no token picks, odd widths, no tokens; 700 x 6 copies: 4209 slots, above ONE_LAUNCH_SLOTS, the
+    # token-major dispatch and backward); the oracle in float64, the kernels sum in FP32
     for tokens, hidden, top_k, dtype, p_dtype in [(37, 7168, 8, torch.bfloat16, torch.float32),
                                                   (5, 33, 2, torch.float32, torch.bfloat16),
                                                   (0, 64, 2, torch.bfloat16, torch.float32),
