@@ -13,6 +13,7 @@ the ptxas jaxlib would have found.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import importlib.util
 import os
@@ -81,6 +82,7 @@ def use_triton_ptxas() -> str:
             raise FileNotFoundError("no ptxas on PATH, CUDA_HOME, /usr/local/cuda or the pip CUDA packages for "
                                     "XLA's own PTX: jaxlib's search stays")
         _shim_dir = tempfile.mkdtemp(prefix="xkern-ptxas-")
+        atexit.register(shutil.rmtree, _shim_dir, ignore_errors=True)
         shim = os.path.join(_shim_dir, "ptxas")
         with open(shim, "w") as f:
             f.write(_SHIM.format(max_version=max_version, triton=triton, fallback=fallback))
