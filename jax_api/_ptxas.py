@@ -35,6 +35,7 @@ done
 exec '{fallback}' "$@"
 """
 
+_SHIM_PREFIX = "xkern-ptxas-"
 _shim_dir: str | None = None
 
 
@@ -49,10 +50,12 @@ def triton_ptxas() -> tuple[str, int]:
     return tool.path, compiler.ptx_get_version(tool.version)
 
 
-def jaxlib_ptxas(skip: str | None = None) -> str | None:
-    """The ptxas jaxlib's search finds after `./bin` (PATH without `skip`, CUDA_HOME, /usr/local/cuda, the pip
-    CUDA packages), or None."""
-    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != skip)
+def jaxlib_ptxas() -> str | None:
+    """The ptxas jaxlib's search finds after `./bin` (PATH, CUDA_HOME, /usr/local/cuda, the pip CUDA packages),
+    or None. PATH's own routing `ptxas` folders are passed over: one inherited from a parent process goes when
+    that process exits."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and not os.path.basename(p).startswith(_SHIM_PREFIX))
     found = shutil.which("ptxas", path=path)
     if found:
         return found
@@ -81,7 +84,7 @@ def use_triton_ptxas() -> str:
         if fallback is None:
             raise FileNotFoundError("no ptxas on PATH, CUDA_HOME, /usr/local/cuda or the pip CUDA packages for "
                                     "XLA's own PTX: jaxlib's search stays")
-        _shim_dir = tempfile.mkdtemp(prefix="xkern-ptxas-")
+        _shim_dir = tempfile.mkdtemp(prefix=_SHIM_PREFIX)
         atexit.register(shutil.rmtree, _shim_dir, ignore_errors=True)
         shim = os.path.join(_shim_dir, "ptxas")
         with open(shim, "w") as f:

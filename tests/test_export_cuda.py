@@ -131,17 +131,24 @@ def test_import_routes_ptx_to_tritons_assembler(choice, tmp_path):
 def test_use_triton_ptxas_routes_by_ptx_version(monkeypatch, tmp_path):
     """The `ptxas` that `jax_api.use_triton_ptxas()` puts first: PTX of an ISA version Triton's ptxas assembles
     (Triton's own) goes to Triton's ptxas, a newer one (XLA's from jaxlib 0.11.2: 9.0) and `--version` to the
-    ptxas jaxlib's search finds; calling it again changes nothing."""
+    ptxas jaxlib's search finds, never to a routing `ptxas` inherited from a parent process; calling it again
+    changes nothing."""
     import shutil
 
     from jax_api import _ptxas
 
     other = _fake_ptxas(tmp_path)
-    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
+    inherited = tmp_path / "xkern-ptxas-parent"  # a parent's router, first on PATH: gone when the parent exits
+    inherited.mkdir()
+    (inherited / "ptxas").write_text("#!/bin/sh\nexit 3\n")
+    (inherited / "ptxas").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(inherited), str(other), os.environ.get("PATH", "")]))
     monkeypatch.setattr(_ptxas, "_shim_dir", None)
+    assert _ptxas.jaxlib_ptxas() == str(other / "ptxas")
     path = _ptxas.use_triton_ptxas()
     shim = shutil.which("ptxas")
     assert shim == os.path.join(path, "ptxas")
+    assert str(inherited) not in Path(shim).read_text()
     once = os.environ["PATH"]
     _ptxas.use_triton_ptxas()
     assert os.environ["PATH"] == once and once.split(os.pathsep).count(path) == 1

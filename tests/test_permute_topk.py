@@ -93,6 +93,7 @@ CASES = [  # (top_k, y dtype, probs dtype or None, hidden, index dtype)
     (8, "bfloat16", "bfloat16", 40, "int32"),
     (8, "bfloat16", "float32", 1100, "int64"),
     (8, "float32", None, 24, "int32"),
+    (10, "bfloat16", "float32", 40, "int32"),  # more copies than the combine unrolls (MAX_UNROLL_K)
 ]
 
 

@@ -53,6 +53,7 @@ from xkern.launch import (
     FLOATS,
     INT32_MAX,
     ITEMSIZE,
+    POINTER_TYPES,
     Buffer,
     Launch,
     Recipe,
@@ -248,17 +249,10 @@ def _combine_rows_kernel(
         cols = start + tl.arange(0, BLOCK_H)
         col_mask = (cols < n_cols)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-        if TOP_K == 0:  # `_combine_copy` written out: through the call, 8 of the 90 binaries of this loop change
+        if TOP_K == 0:  # more than MAX_UNROLL_K copies
             for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
-                copy = first + j
-                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
-                ok = tok_mask & (slot >= 0) & (slot < n_src_rows)
-                hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
-                vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :],
-                               mask=hit[:, None] & col_mask, other=0.0).to(tl.float32)
-                if HAS_PROBS:
-                    vals = vals * tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)[:, None]
-                acc += vals
+                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
+                                     col_mask, HAS_PROBS)
         else:
             for j in tl.static_range(TOP_K):
                 acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
@@ -340,13 +334,10 @@ def _combine_bwd_token_kernel(
                 tl.store(DY + slot[:, None] * n_cols + cols[None, :], (d * p[:, None]).to(DY.dtype.element_ty),
                          mask=hit[:, None] & col_mask)
                 dots = tl.where(ks == j, dots + tl.sum(y * d, axis=1)[:, None], dots)
-        for j in tl.static_range(TOP_K):
-            copy = first + j
-            slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
-            ok = tok_mask & (slot >= 0) & (slot < n_slots)
-            hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
+        for j in tl.static_range(TOP_K):  # the call's result only masks the store here
+            _, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
             dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
-            tl.store(DPROBS + copy, dot.to(DPROBS.dtype.element_ty), mask=hit)
+            tl.store(DPROBS + first + j, dot.to(DPROBS.dtype.element_ty), mask=hit)
     else:
         _zero_padding_rows(DY, IDX, pid - token_programs, n_slots, n_tokens * TOP_K, n_cols,
                            BLOCK_M, BLOCK_H)
@@ -604,9 +595,6 @@ def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -
     return sizes, fill
 
 
-DTYPE_OF = {"*bf16": "bfloat16", "*fp16": "float16", "*fp32": "float32"}  # Triton pointer type -> dtype name
-
-
 def compile_variants() -> list[tuple[Launch, dict]]:
     """Every (kernel, constexprs) the plans can choose, with a triton 3.6 `ASTSource` signature
     (constexpr parameters are listed as "constexpr"; their values are `launch.constexprs`):
@@ -632,7 +620,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                     variants.append((plan, sig))
                     variants.append((settled, {**sig, "RAW": index}))
                     variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
-    big = ONE_LAUNCH_SLOTS + 1  # the token-major forms' regime
+    dtype_of = {ptr: name for name, ptr in POINTER_TYPES.items()}
     for elem_size, dtypes in ptr.items():  # the top_k forms: the narrowest, a middle and the chunked tiles
         for n_cols in (1, 16, 128, 1000, 7168):
             token = plan_gather_token_rows(1024, n_cols, elem_size, n_cols)
@@ -656,12 +644,13 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                             variants.append((bwd, ptrs))
                             if n_cols in (1, 128, 7168):
                                 for top_k in (2, MAX_UNROLL_K):
-                                    steps = combine_bwd_recipe(big, n_cols, big, DTYPE_OF[dtype], n_cols, n_cols,
-                                                               top_k, DTYPE_OF[probs]).steps
+                                    steps = combine_bwd_recipe(1024, n_cols, 1024, dtype_of[dtype], n_cols, n_cols,
+                                                               top_k, dtype_of[probs], token_major=True).steps
                                     variants.append((steps[-1].launch, {**ptrs, "RAW": index}))
                     if n_cols in (1, 128, 7168):
                         for top_k in (2, MAX_UNROLL_K):
-                            steps = permute_recipe(big, n_cols, big, DTYPE_OF[dtype], n_cols, top_k).steps
+                            steps = permute_recipe(1024, n_cols, 1024, dtype_of[dtype], n_cols, top_k,
+                                                   token_major=True).steps
                             variants.append((steps[-1].launch, {"SRC": dtype, "RAW": index, "OUT": dtype, **rows}))
     for index in ("*i32", "*i64"):
         scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
