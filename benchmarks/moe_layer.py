@@ -49,7 +49,8 @@ SIZES = {  # hidden, experts, top_k, expert width (intermediate), tokens (scaled
 }
 SMOKE_SIZE = dict(hidden=32, experts=4, top_k=2, inter=16, tokens=12)
 ALIGN = 16  # rows per expert block: torch._grouped_mm's bf16 alignment (torchtitan pads the same way)
-PATHS = ("xkern", "torchtitan", "plain", "liger", "transformer_engine")
+PATHS = ("xkern", "liger", "torchtitan", "plain", "transformer_engine")  # Liger's fused MoE: the strongest peer
+PARTS = ("dispatch+combine", "layer")  # identity experts (the row ops alone), then the whole layer
 # Relative L2 distance to the FP32 reference (`reference_errors`) within which a result passes. bf16 rounds
 # each stored intermediate (x @ W13, the SwiGLU product, the expert outputs, the output) to 2^-9 relative;
 # a tensor of such roundings sits near 2^-9 / sqrt(3) ~ 1e-3 relative L2, a few of them in a row a few
@@ -281,6 +282,9 @@ def torch_step(path, inp: dict, top_k: int, num_experts: int, whole: bool):
 EXACT_BYTES = 256 * 2**20  # results up to this size are kept whole for the run-to-run check
 
 
+FINGERPRINT_SLICE = 1 << 26  # elements per partial sum of `fingerprint`: 512 MiB in int64
+
+
 def fingerprint(t):
     """What the run-to-run check compares: the tensor itself, or for a large one (the experts' weight
     gradients) two sums of its bits, in int64 and float64 (a changed rounding anywhere changes both)."""
@@ -289,8 +293,14 @@ def fingerprint(t):
     t = t.detach()
     if t.numel() * t.element_size() <= EXACT_BYTES:
         return t.clone()
-    bits = t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-    return torch.stack([bits.sum(dtype=torch.int64).double(), t.sum(dtype=torch.float64)]).cpu()
+    flat = t.contiguous().view(-1)
+    bits = flat.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    # summed in slices: a sum with a wider dtype converts its whole input first (the DeepSeek-V3 size's
+    # expert weight gradient, 7.5 G elements, would take 56 GiB in int64 or float64)
+    at = range(0, flat.numel(), FINGERPRINT_SLICE)
+    ints = sum(bits[i:i + FINGERPRINT_SLICE].sum(dtype=torch.int64) for i in at)
+    floats = sum(flat[i:i + FINGERPRINT_SLICE].sum(dtype=torch.float64) for i in at)
+    return torch.stack([ints.double(), floats]).cpu()
 
 
 def same_bits(a, b) -> bool:
@@ -423,13 +433,14 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
 # The run
 
 
-def run_size(label: str, size: dict, device: str, log, done=None) -> list[dict]:
-    """Every path's rows at one size; `done(rows so far)` after each (the run saves them: a crash keeps them)."""
+def run_size(label: str, size: dict, device: str, log, done=None, parts=PARTS) -> list[dict]:
+    """Every path's rows at one size and the chosen `parts`; `done(rows so far)` after each (the run saves
+    them: a crash keeps them)."""
     import torch
 
     inp = torch_inputs(size, device)
     rows = []
-    for whole in (False, True):
+    for whole in [p == "layer" for p in PARTS if p in parts]:
         for name in PATHS:
             part = "layer" if whole else "dispatch+combine"
             if (why := skip_reason(name, device, whole)) is not None:
@@ -553,7 +564,10 @@ def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: st
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size_arguments(parser, "moe-layer")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS))
     args = parser.parse_args(argv)
+    if not set(args.parts.split(",")) <= set(PARTS):
+        parser.error(f"--parts: expected a comma-separated subset of {', '.join(PARTS)}, got {args.parts!r}")
 
     from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
     import torch
@@ -577,7 +591,7 @@ def main(argv=None) -> int:
     rows = []
     for label, size in chosen_sizes(args, smoke).items():
         rows += run_size(label, size, device, lambda m: print(m, flush=True),
-                         lambda partial, before=list(rows): save(before + partial))
+                         lambda partial, before=list(rows): save(before + partial), args.parts.split(","))
     print("\n" + markdown(rows, gpu))
     save(rows, final=True)
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False

@@ -391,7 +391,8 @@ def _row_key(r: dict) -> tuple:
 def merge(out_path: str, parts: list[str]) -> None:
     """One sweep JSON from its parts: the first part's header, every part's rows and notes. A row of a later
     part replaces an earlier one of the same case and implementation (a `--widths` re-run of some widths
-    after a plan change); each replacement is listed in `replaced`, with the commit that measured it."""
+    after a plan change); each replacement is listed in `replaced`, with the commit that measured it. A case
+    one part skipped (over its time budget) and another measured is no longer listed as skipped."""
     with open(parts[0]) as f:
         merged = json.load(f)
     names = merged.get("parts") or [os.path.basename(parts[0])]  # the first may be a merged sweep already
@@ -410,6 +411,8 @@ def merge(out_path: str, parts: list[str]) -> None:
         merged["skipped"] += res.get("skipped", [])
         merged["wall_s"] = merged.get("wall_s", 0) + res.get("wall_s", 0)
         names.append(os.path.basename(part))
+    measured = {f"{r['op']} {'x'.join(map(str, r['shape']))} {r['dtype']}" for r in merged["rows"]}
+    merged["skipped"] = [s for s in merged["skipped"] if s.split(":")[0] not in measured]  # a later part ran it
     merged["parts"] = names
     with open(out_path, "w") as f:
         json.dump(merged, f, indent=1)
