@@ -433,15 +433,15 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
 # The run
 
 
-def run_size(label: str, size: dict, device: str, log, done=None, parts=PARTS) -> list[dict]:
-    """Every path's rows at one size and the chosen `parts`; `done(rows so far)` after each (the run saves
+def run_size(label: str, size: dict, device: str, log, done=None, parts=PARTS, paths=PATHS) -> list[dict]:
+    """The rows of the chosen `paths` and `parts` at one size; `done(rows so far)` after each (the run saves
     them: a crash keeps them)."""
     import torch
 
     inp = torch_inputs(size, device)
     rows = []
     for whole in [p == "layer" for p in PARTS if p in parts]:
-        for name in PATHS:
+        for name in [p for p in PATHS if p in paths]:
             part = "layer" if whole else "dispatch+combine"
             if (why := skip_reason(name, device, whole)) is not None:
                 rows.append({"framework": "torch", "impl": name, "part": part, "status": why})
@@ -540,13 +540,35 @@ def chosen_sizes(args, smoke: bool) -> dict:
     return sizes
 
 
-def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str, draw: bool = True) -> str:
-    """`<out_dir>/<gpu kind>-<name>[-<sizes>]` .json (results), .md and (`draw`) .png: its stem."""
+def results_stem(out_dir: str, gpu: str, name: str, args, smoke: bool) -> str:
+    """`<out_dir>/<gpu kind>-<name>[-<sizes>]`: where a run's results go."""
     from benchmarks.machine import gpu_kind
 
+    chosen = "" if smoke or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
+    return os.path.join(out_dir, gpu_kind(gpu) + "-" + name + chosen)
+
+
+def kept_rows(stem: str, rows_of_run) -> tuple[list[dict], list[dict]]:
+    """A run of some paths or parts updates its results file: the earlier rows it does not measure again
+    (`rows_of_run(row)` False) and the earlier runs, from `<stem>.json` where it exists."""
+    if not os.path.exists(stem + ".json"):
+        return [], []
+    with open(stem + ".json") as f:
+        old = json.load(f)
+    runs = old.get("runs") or [{k: old.get(k) for k in ("commit", "started_utc")}]
+    return [r for r in old.get("rows", []) if not rows_of_run(r)], runs
+
+
+def ordered(rows: list[dict]) -> list[dict]:
+    """Rows by size (in the order met), part and path (`PARTS`, `PATHS`)."""
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    return sorted(rows, key=lambda r: (sizes.index(r["size"]), PARTS.index(r["part"]), PATHS.index(r["impl"])))
+
+
+def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str, draw: bool = True) -> str:
+    """`results_stem(...)` .json (results), .md and (`draw`) .png: its stem."""
     os.makedirs(out_dir, exist_ok=True)
-    chosen = "" if results["smoke"] or args.sizes == ",".join(SIZES) else "-" + args.sizes.replace(",", "-")
-    stem = os.path.join(out_dir, gpu_kind(gpu) + "-" + name + chosen)
+    stem = results_stem(out_dir, gpu, name, args, results["smoke"])
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
@@ -564,10 +586,15 @@ def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: st
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size_arguments(parser, "moe-layer")
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS))
+    for flag, names in (("parts", PARTS), ("paths", PATHS)):
+        parser.add_argument(f"--{flag}", default=",".join(names),
+                            help=f"comma-separated, of {', '.join(names)}; a subset updates the results file "
+                            "in place (its other rows are kept)")
     args = parser.parse_args(argv)
-    if not set(args.parts.split(",")) <= set(PARTS):
-        parser.error(f"--parts: expected a comma-separated subset of {', '.join(PARTS)}, got {args.parts!r}")
+    parts, paths = args.parts.split(","), args.paths.split(",")
+    for flag, chosen, names in (("parts", parts, PARTS), ("paths", paths, PATHS)):
+        if not set(chosen) <= set(names):
+            parser.error(f"--{flag}: expected a comma-separated subset of {', '.join(names)}, got {chosen}")
 
     from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
     import torch
@@ -580,18 +607,25 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
+    sizes = chosen_sizes(args, smoke)
+    kept, runs = [], []
+    if out_dir and (set(parts) != set(PARTS) or set(paths) != set(PATHS)):
+        kept, runs = kept_rows(results_stem(out_dir, gpu, "moe-layer", args, smoke),
+                               lambda r: r["size"] in sizes and r["part"] in parts and r["impl"] in paths)
+    run = {"commit": commit(), "started_utc": started, "parts": parts, "paths": paths}
 
     def save(rows, final=False):
         if out_dir:
+            rows = ordered(kept + rows)
             write_results(out_dir, gpu, "moe-layer", args, {
                 "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
-                "ref_tol": REF_TOL, "versions": versions(), "complete": final, "rows": rows}, markdown(rows, gpu),
-                final)
+                "ref_tol": REF_TOL, "versions": versions(), "complete": final, "runs": runs + [run], "rows": rows},
+                markdown(rows, gpu), final)
 
     rows = []
-    for label, size in chosen_sizes(args, smoke).items():
+    for label, size in sizes.items():
         rows += run_size(label, size, device, lambda m: print(m, flush=True),
-                         lambda partial, before=list(rows): save(before + partial), args.parts.split(","))
+                         lambda partial, before=list(rows): save(before + partial), parts, paths)
     print("\n" + markdown(rows, gpu))
     save(rows, final=True)
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False

@@ -5,9 +5,11 @@
 # Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md):
 #   bash scripts/gpu_moe.sh OUTDIR [qwen3-moe|deepseek-v3]
 # Limits (s): TORCH_TIMEOUT 320, JAX_TIMEOUT 300, HF_TIMEOUT 150 (Qwen3-MoE on an H100: ~7 min in all).
-# PARTS (default "torch jax hf") picks the steps: the DeepSeek-V3 torch step alone passed 280 s on an H100, so
-# where a run has a time limit that size goes as TORCH_TIMEOUT=540 PARTS=torch, then PARTS=jax (which reads the
-# torch JSON).
+# PARTS (default "torch jax hf") picks the steps; TORCH_ARGS goes to benchmarks.moe_layer (`--parts layer
+# --paths liger`: some rows of the results file in OUTDIR/<kind>/, the others kept). At the DeepSeek-V3 size one
+# path's layer row takes about 2 minutes on an H100 and Liger's first (its autotuner) more than 4, so where a run
+# has a time limit that size goes in pieces (docs/benchmarks.md, the MoE layer step), then PARTS=jax (which reads
+# the torch JSON). Autotuning results are cached (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
 set -u
 OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
@@ -25,8 +27,9 @@ echo "# $(date -u +%FT%TZ) $GPU_KIND, $SIZE, XLA flags: $FLAGS"
 
 PARTS=" ${PARTS:-torch jax hf} "
 if [[ $PARTS == *" torch "* ]]; then
-  timeout "${TORCH_TIMEOUT:-320}" "$PY" -m benchmarks.moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
-    > "$OUT_KIND/moe-layer-$SIZE.log" 2>&1
+  # shellcheck disable=SC2086 # TORCH_ARGS: words for the command line
+  TRITON_CACHE_AUTOTUNING=1 timeout "${TORCH_TIMEOUT:-320}" "$PY" -m benchmarks.moe_layer --sizes "$SIZE" \
+    --out "$OUT_KIND" ${TORCH_ARGS:-} >> "$OUT_KIND/moe-layer-$SIZE.log" 2>&1
   echo "torch moe_layer rc=$?"; grep -E "^$SIZE" "$OUT_KIND/moe-layer-$SIZE.log"
 fi
 

@@ -475,6 +475,18 @@ def test_moe_layer_rows_check_every_path(tmp_path):
     liger = {r["part"]: r["status"] for r in rows if r["impl"] == "liger"}
     assert liger["layer"].startswith("skipped: Liger") and liger["dispatch+combine"].startswith("n/a")
     assert "| liger |" in (tmp_path / "cpu-moe-layer.md").read_text()
+    # a run of one path and part updates that row in place and keeps the others
+    timing.set_smoke(True)
+    try:
+        assert moe_layer.main(["--smoke", "--out", str(tmp_path), "--parts", "dispatch+combine",
+                               "--paths", "xkern"]) == 0
+    finally:
+        timing.set_smoke(False)
+    again = json.loads((tmp_path / "cpu-moe-layer.json").read_text())
+    assert [(r["impl"], r["part"]) for r in again["rows"]] == [(r["impl"], r["part"]) for r in rows]
+    new = [(old, r) for old, r in zip(rows, again["rows"], strict=True) if old != r]
+    assert all((r["impl"], r["part"]) == ("xkern", "dispatch+combine") for _, r in new), new  # the others kept
+    assert [run["paths"] for run in again["runs"]] == [list(moe_layer.PATHS), ["xkern"]]
 
 
 def test_moe_reference_check_fails_a_wrong_result():
