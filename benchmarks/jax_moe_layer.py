@@ -290,15 +290,11 @@ def xkern_moe(x, probs, ids, experts):
     import jax_api
 
     (t, k), e = ids.shape, experts.num_experts
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.zeros(e, jnp.int32).at[flat].add(1)
-    rows = t * k + e * ALIGN  # room for every expert's padding
-    sorted_slot, m_sizes, _ = jax_api.generate_permute_indices(counts, e, 1, rows, ALIGN)
+    rows = t * k + e * ALIGN  # room for every expert's padding: topk_permute_indices' default max_len
+    slot_copy, m_sizes, _ = jax_api.topk_permute_indices(ids, e, rows, ALIGN)  # no sort
     # The rows past the last expert's block (zero rows, as padding, read by no token) join its group: the
     # grouped GEMM then covers every row, none left unwritten, at the cost of at most e * ALIGN zero rows.
     m_sizes = m_sizes.at[-1].add(rows - jnp.sum(m_sizes))
-    slot_copy = jnp.where(sorted_slot >= 0, order[jnp.maximum(sorted_slot, 0)], -1).astype(jnp.int32)
     y = experts(jax_api.permute_rows(x, slot_copy, top_k=k), m_sizes)
     return jax_api.unpermute_rows(y, slot_copy, t * k, top_k=k, probs=probs)
 

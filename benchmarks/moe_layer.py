@@ -10,9 +10,10 @@ each step is captured in one CUDA graph and timed by its replays (benchmarks/tim
 `benchmarks/jax_moe_layer.py` (a process of its own).
 
 Dispatch + combine paths (the rest of the step is the same code):
-- xkern: `permute_rows(x, idx, top_k=k)` straight from the token rows, `unpermute_rows(y, idx, T * k, top_k=k,
-  probs=p)`: the FP32 weighted sum of the k copies in one kernel; its backward writes dy and dprobs in one
-  kernel (no atomics).
+- xkern: the layout from the expert ids by `topk_permute_indices` (no sort), `permute_rows(x, idx, top_k=k)`
+  straight from the token rows, `unpermute_rows(y, idx, T * k, top_k=k, probs=p)`: the FP32 weighted sum of
+  the k copies in one kernel; its backward writes dy and dprobs in one kernel (no atomics). The other paths
+  share `layout` (a stable argsort of the ids, their counts, `generate_permute_indices`).
 - torchtitan (its MoE.forward today, single GPU with its padding wrapper): index gather `x[sorted // k]`, the
   padded gather (`vstack` a zero row, index), the experts, the padded scatter back (`index_put`), the unsort
   scatter into zeros (deterministic: each index once), then `bmm` of the FP32 scores with the FP32 rows.
@@ -124,8 +125,18 @@ def layout(ids, num_experts: int):
     return slot_copy, sorted_slot, order, m_offsets
 
 
+def xkern_layout(ids, num_experts: int):
+    """`layout`'s slot_copy and m_offsets by `topk_permute_indices`: the same values, no sort (the sorted order
+    is not made: None in its places)."""
+    import torch_api
+
+    slot_copy, _, m_offsets = torch_api.topk_permute_indices(ids, num_experts, alignment=ALIGN)
+    return slot_copy, None, None, m_offsets
+
+
 # ---------------------------------------------------------------------------------------------------
 # torch: dispatch + experts + combine, one function per path: (x, probs, routing, run_experts) -> [T, H]
+# (`routing`: `layout`'s four results, then the expert ids; a path's `layout` attribute replaces `layout`)
 
 
 def xkern_path(x, probs, routing, run_experts):
@@ -135,6 +146,9 @@ def xkern_path(x, probs, routing, run_experts):
     k = probs.shape[1]
     y = run_experts(torch_api.permute_rows(x, slot_copy, top_k=k))
     return torch_api.unpermute_rows(y, slot_copy, x.shape[0] * k, top_k=k, probs=probs)
+
+
+xkern_path.layout = xkern_layout
 
 
 def torchtitan_path(x, probs, routing, run_experts):
@@ -268,12 +282,12 @@ def torch_step(path, inp: dict, top_k: int, num_experts: int, whole: bool):
     if whole:
         params = [inp[n].detach().requires_grad_() for n in ("w_router", "w13", "w2")]
         probs, ids = route(x, params[0], top_k)
-        routing = (*layout(ids, num_experts), ids)
+        routing = (*getattr(path, "layout", layout)(ids, num_experts), ids)
         out = path(x, probs, routing, Experts(params[1], params[2], routing[3]))
         return (out, *torch.autograd.grad(out, [x, *params], inp["dout"]))
     with torch.no_grad():
         probs, ids = route(inp["x"], inp["w_router"], top_k)
-        routing = (*layout(ids, num_experts), ids)
+        routing = (*getattr(path, "layout", layout)(ids, num_experts), ids)
     probs = probs.requires_grad_()
     out = path(x, probs, routing, lambda xp: xp)
     return (out, *torch.autograd.grad(out, [x, probs], inp["dout"]))

@@ -3,7 +3,13 @@
 from jax_api._ptxas import use_triton_ptxas
 from jax_api.add_rms_norm import add_rms_norm
 from jax_api.ep import ep_combine, ep_dispatch
-from jax_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
+from jax_api.permute import (
+    generate_permute_indices,
+    inverse_permutation,
+    permute_rows,
+    topk_permute_indices,
+    unpermute_rows,
+)
 from jax_api.rms_norm import rms_norm, rms_norm_tp
 
 __all__ = [
@@ -11,6 +17,7 @@ __all__ = [
     "ep_combine",
     "ep_dispatch",
     "generate_permute_indices",
+    "topk_permute_indices",
     "inverse_permutation",
     "permute_rows",
     "rms_norm",

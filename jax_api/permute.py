@@ -1,5 +1,5 @@
-"""Padded expert row gather for MoE in JAX: `generate_permute_indices`, `permute_rows`,
-`inverse_permutation`, `unpermute_rows`; usable under jit and grad of any order.
+"""Padded expert row gather for MoE in JAX: `generate_permute_indices`, `topk_permute_indices`,
+`permute_rows`, `inverse_permutation`, `unpermute_rows`; usable under jit and grad of any order.
 
 `permute_rows` and `unpermute_rows` are `jax.custom_vjp` functions whose backward is the other one (a
 gather through the inverse permutation, never a scatter-add); the index array is an integer input, so
@@ -259,9 +259,9 @@ def _check_rows(name: str, x) -> None:
     contract.check_rows(name, x.dtype.name, tuple(x.shape))
 
 
-def _check_index(name: str, idx, like=None) -> None:
+def _check_index(name: str, idx, like=None, two_d: bool = False) -> None:
     check_array(name, idx)
-    contract.check_index(name, idx.dtype.name, tuple(idx.shape))
+    contract.check_index(name, idx.dtype.name, tuple(idx.shape), two_d)
     if like is not None:
         devices = [_devices(a) for a in (idx, like)]
         if None not in devices and devices[0] != devices[1]:
@@ -320,6 +320,45 @@ def _generate_op(experts_per_rank: int, num_ranks: int, max_len: int, alignment:
 
 def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: int, alignment: int):
     return tuple(execute(contract.generate_recipe(experts_per_rank, num_ranks, max_len, alignment), counts=counts))
+
+
+def topk_permute_indices(expert_ids, num_experts: int, max_len: int | None = None, alignment: int = 1,
+                         validate: bool = False):
+    """The padded, expert-major layout of top-k routing, from the router's expert ids, on the device (no sort):
+    what `argsort` of the ids, their counts and `generate_permute_indices(counts, num_experts, 1, max_len,
+    alignment)` give, in three small launches.
+
+    expert_ids: [num_tokens, top_k] (or [num_copies]) int32/int64, copy `t * top_k + j` going to expert
+    `expert_ids[t, j]`. Returns `(permuted_indices [max_len] int32, m_sizes [E] int32, m_offsets [E] int32)`:
+    m_sizes and m_offsets as `generate_permute_indices` makes them from the counts, permuted_indices[s] the
+    copy in slot s (an expert's copies in copy order) or -1 at padding: the index of `permute_rows(x,
+    permuted_indices, top_k=top_k)` and `unpermute_rows(y, permuted_indices, num_tokens * top_k, top_k=top_k,
+    probs=...)`. max_len defaults to num_copies + num_experts * alignment (room for every copy); copies whose
+    slot is >= max_len, and ids outside [0, num_experts), get no slot; with `validate=True` (concrete ids
+    only) either is a ValueError. Under sharded jit the ids are gathered and the results replicated.
+    """
+    ids = expert_ids
+    _check_index("expert_ids", ids, two_d=True)
+    n_copies, num_experts, max_len, alignment = contract.check_route(tuple(ids.shape), num_experts, max_len,
+                                                                     alignment)
+    if validate:
+        contract.check_expert_ids(_host("expert_ids", ids), num_experts, max_len, alignment)
+    outs = _route_op(n_copies, num_experts, max_len, alignment)(ids.reshape(-1))
+    return tuple(vary_like(o, ids) for o in outs)
+
+
+@functools.cache
+def _route_op(n_copies: int, num_experts: int, max_len: int, alignment: int):
+    kernels = sharding.replicated(
+        lambda ids: tuple(execute(contract.route_recipe(n_copies, num_experts, max_len, alignment), ids=ids)),
+        1, (1,), (1, 1, 1))
+
+    @jax.custom_batching.custom_vmap
+    def op(ids):
+        return tuple(kernels(ids))
+
+    op.def_vmap(lambda axis_size, in_batched, ids: (map_batched(op, axis_size, in_batched, ids), (True, True, True)))
+    return op
 
 
 def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1):

@@ -122,6 +122,8 @@ def test_opcheck_permute_ops():
     torch.library.opcheck(torch.ops.xkern.inverse_permutation.default, (idx, 5))
     y = to_torch(rand(np.random.default_rng(7), (16, 8), "float32")).requires_grad_()
     torch.library.opcheck(torch.ops.xkern.unpermute_rows.default, (y, idx, 5))
+    ids = torch.tensor([[1, 0], [2, 1], [1, 1]], dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.xkern.topk_permute_indices.default, (ids, 3, 12, 2))
 
 
 # ---------------------------------------------------------------------------------------------------

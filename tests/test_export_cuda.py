@@ -29,6 +29,7 @@ EXPECTED = {
     "unpermute_rows": GATHER_VIA_INVERSE,
     "grad permute_rows": ["_gather_rows_kernel"] + GATHER_VIA_INVERSE,  # forward gather, then unpermute
     "generate_permute_indices": ["_generate_one_kernel"],  # up to ONE_LAUNCH_SLOTS slots: one program
+    "topk_permute_indices": ["_route_count_kernel", "_route_fill_kernel", "_route_tables_kernel"],
 }
 
 
@@ -66,6 +67,7 @@ def _export_all() -> dict:
         "unpermute_rows": (lambda y, i: jax_api.unpermute_rows(y, i, 10), S((16, 64), jnp.float32), idx),
         "grad permute_rows": (jax.grad(lambda x, i: jnp.sum(jax_api.permute_rows(x, i) ** 2)), rows, idx),
         "generate_permute_indices": (lambda c: jax_api.generate_permute_indices(c, 2, 2, 16, 4), counts),
+        "topk_permute_indices": (lambda i: jax_api.topk_permute_indices(i, 4, alignment=4), S((5, 2), jnp.int32)),
     }
     checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
     found = {}

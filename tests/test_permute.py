@@ -25,6 +25,7 @@ from xkern.permute import (
     plan_gather_rows,
     plan_generate_indices,
     plan_inverse,
+    plan_route_indices,
     plan_scatter_inverse,
     unpermute_recipe,
 )
@@ -127,6 +128,118 @@ def test_generate_edge_cases(case):
     assert all(same_bits(t, r) and same_bits(j, r) for r, t, j in zip(ref, got_t, got_j, strict=True))
     if case == "zero_tokens":  # every expert still gets one aligned block, all padding
         assert np.all(ref[1] == alignment) and np.all(ref[0] == -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# topk_permute_indices
+
+# (tokens, top_k, experts, alignment, max_len: None (room for all), "short" (copies dropped) or an int)
+ROUTES = [
+    (5, 2, 4, 1, None),
+    (300, 8, 128, 16, None),    # three chunks of ROUTE_CHUNK copies, the last partial
+    (700, 2, 5, 8, "short"),
+    (64, 3, 7, 4, 0),
+    (0, 2, 3, 2, None),
+    (1, 1, 1, 1, None),
+    (130, 4, 1000, 2, None),    # more experts than copies: most blocks all padding
+]
+
+
+def _route_ids(key, tokens, top_k, experts):
+    """Random expert ids with an expert that gets no copy, and (for several experts) a run of one expert."""
+    ids = _rng("route", *key).integers(0, experts, (tokens, top_k))
+    if experts > 2:
+        ids[ids == 1] = 2
+        ids[: tokens // 3, 0] = 0
+    return ids
+
+
+@pytest.mark.parametrize("ids_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_indices_match_oracle(route, ids_dtype):
+    """Both front ends (JAX under jit) give the oracle's layout bit for bit: argsort of the ids (stable), their
+    counts and generate_permute_indices, each slot naming its copy."""
+    tokens, top_k, experts, alignment, max_len = route
+    ids = _route_ids(route, tokens, top_k, experts).astype(ids_dtype)
+    if max_len == "short":
+        max_len = tokens * top_k // 2
+    ref = R.topk_permute_indices(ids, experts, tokens * top_k + experts * alignment if max_len is None else max_len,
+                                 alignment)
+    got_t = torch_api.topk_permute_indices(to_torch(ids), experts, max_len, alignment)
+    with jax.enable_x64(ids_dtype == "int64"):
+        got_j = jax.jit(jax_api.topk_permute_indices, static_argnums=(1, 2, 3))(jnp.asarray(ids), experts, max_len,
+                                                                               alignment)
+    for name, r, t, j in zip(("permuted_indices", "m_sizes", "m_offsets"), ref, got_t, got_j, strict=True):
+        assert same_bits(t, r), name
+        assert same_bits(j, r), name
+    # the same layout as generate_permute_indices over the counts, the copies named through a stable sort
+    counts = np.bincount(ids.reshape(-1), minlength=experts)
+    rows, sizes, offsets = R.generate_permute_indices(counts, experts, 1, len(ref[0]), alignment)
+    assert np.array_equal(sizes, ref[1]) and np.array_equal(offsets, ref[2]) and np.array_equal(rows < 0, ref[0] < 0)
+
+
+def test_topk_indices_feed_the_top_k_gathers():
+    """The layout is the one permute_rows(top_k) and the weighted combine take: dispatch then combine with
+    identity experts gives sum_j p[t, j] * x[t] (exact for p = 1 / top_k powers of two)."""
+    tokens, top_k, experts = 40, 4, 6
+    ids = _route_ids(("feed",), tokens, top_k, experts)
+    x = rand(_rng("feed-x"), (tokens, 33), "float32")
+    probs = np.full((tokens, top_k), 1 / top_k, np.float32)
+    idx, _, _ = torch_api.topk_permute_indices(to_torch(ids), experts, alignment=8)
+    xp = torch_api.permute_rows(to_torch(x), idx, top_k=top_k)
+    token = np.where(to_numpy(idx) >= 0, to_numpy(idx) // top_k, -1)  # the token row each slot reads
+    assert same_bits(xp, R.permute_rows(x, token))
+    out = torch_api.unpermute_rows(xp, idx, tokens * top_k, top_k=top_k, probs=to_torch(probs))
+    assert same_bits(out, x)
+
+
+def test_topk_indices_every_slot_written():
+    """The three kernels on poisoned outputs and scratch: every slot, size and offset comes out written (the fill
+    runs its copies' programs beside the padding programs; a slot left to neither would keep the poison)."""
+    tokens, top_k, experts, alignment = 300, 8, 9, 4
+    ids = to_torch(_route_ids(("poison",), tokens, top_k, experts).astype(np.int32))
+    n = tokens * top_k
+    max_len = n + experts * alignment + 5
+    count, tables, fill = plan_route_indices(n, experts, max_len)
+    chunks = count.grid[0]
+
+    def poisoned(*shape):
+        return torch.full(shape, -7, dtype=torch.int32, device=DEVICE)
+
+    counts, rank = poisoned(chunks, experts), poisoned(n)
+    sizes, offsets, totals, base, idx = (poisoned(experts), poisoned(experts), poisoned(experts),
+                                         poisoned(chunks, experts), poisoned(max_len))
+    launch(count, ids, counts, rank, n_copies=n, n_experts=experts)
+    launch(tables, counts, sizes, offsets, totals, base, n_chunks=chunks, n_experts=experts, alignment=alignment)
+    launch(fill, ids, rank, base, sizes, offsets, totals, idx, n_copies=n, n_chunks=chunks, n_experts=experts,
+           max_len=max_len)
+    ref = R.topk_permute_indices(to_numpy(ids), experts, max_len, alignment)
+    assert same_bits(idx, ref[0]) and same_bits(sizes, ref[1]) and same_bits(offsets, ref[2])
+
+
+def test_validate_topk_indices():
+    ids = np.array([[0, 2], [2, 1], [2, 2]], np.int32)  # expert 2: 4 copies -> its block ends at slot 4 + 4 + 4
+    for fn, conv in ((torch_api.topk_permute_indices, to_torch), (jax_api.topk_permute_indices, jnp.asarray)):
+        assert fn(conv(ids), 3, None, 4, validate=True)[0].shape == (6 + 3 * 4,)
+        fn(conv(ids), 3, 12, 4, validate=True)
+        with pytest.raises(ValueError, match="max_len=11 is too small: expert 2"):
+            fn(conv(ids), 3, 11, 4, validate=True)
+        with pytest.raises(ValueError, match=r"expert_ids \(flattened\) \[3\] = 5 is not an expert"):
+            fn(conv(np.array([[0, 2], [2, 5]], np.int32)), 3, validate=True)
+        # without validate: the out-of-range copy gets no slot, the others theirs
+        got = fn(conv(np.array([[0, 2], [2, 5]], np.int32)), 3)[0]
+        assert same_bits(got, R.topk_permute_indices(np.array([0, 2, 2, 5]), 3, 7, 1)[0])
+        for err, message, bad, args in (
+                (ValueError, "expert_ids must be 1-D or 2-D", ids[None], (3,)),
+                (TypeError, "expert_ids must be int32 or int64", ids * 1.0, (3,)),
+                (ValueError, "num_experts must be >= 1", ids, (0,)),
+                (ValueError, "alignment must be >= 1", ids, (3, None, 0)),
+                (ValueError, "max_len must be >= 0", ids, (3, -1)),
+                (ValueError, "can pad to 3221225478 slots", ids, (3, None, 2**30))):
+            with pytest.raises(err, match=message):
+                fn(conv(bad), *args)
+    with pytest.raises(ValueError, match="needs a concrete"):
+        jax.jit(lambda i: jax_api.topk_permute_indices(i, 3, validate=True))(jnp.asarray(ids))
 
 
 def test_generate_results_share_one_aligned_allocation():

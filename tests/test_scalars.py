@@ -52,6 +52,8 @@ def test_torch_refuses_non_integer_counts(bad):
         torch_api.inverse_permutation(idx, bad)
     with pytest.raises(TypeError, match="alignment"):
         torch_api.generate_permute_indices(counts, 2, 1, 16, bad)
+    with pytest.raises(TypeError, match="num_experts"):
+        torch_api.topk_permute_indices(counts, bad)
     torch_api.unpermute_rows(y, idx, 2)  # the refused call cached nothing
 
 
@@ -64,4 +66,6 @@ def test_jax_refuses_non_integer_counts(bad):
         jax_api.inverse_permutation(idx, bad)
     with pytest.raises(TypeError, match="alignment"):
         jax_api.generate_permute_indices(jnp.array([1, 2], jnp.int32), 2, 1, 16, bad)
+    with pytest.raises(TypeError, match="num_experts"):
+        jax_api.topk_permute_indices(jnp.array([1, 2], jnp.int32), bad)
 

@@ -324,6 +324,12 @@ def _check_all(n_devices: int) -> dict:
         for got, want in zip(f(counts), f(jnp.asarray(counts0))):
             same(got, want, "generate_permute_indices")
         only(collectives(f, counts), {("all-gather", "s32[8]")}, "generate_permute_indices")
+        ids0 = np.random.default_rng(5).integers(0, 4, (16, 2)).astype(np.int32)  # 16 tokens, top 2, 4 experts
+        ids = jax.device_put(ids0, NamedSharding(mesh, P("d")))  # tokens split
+        route = jax.jit(lambda i: jax_api.topk_permute_indices(i, 4, 48, 4))
+        for got, want in zip(route(ids), route(jnp.asarray(ids0))):
+            same(got, want, "topk_permute_indices")
+        only(collectives(route, ids), {("all-gather", "s32[32]")}, "topk_permute_indices")
         idx = jax.device_put(one_idx[:16], NamedSharding(mesh, P("d")))
         inv = jax.jit(lambda i: jax_api.inverse_permutation(i, 16))
         same(inv(idx), inv(one_idx[:16]), "inverse_permutation")

@@ -7,7 +7,13 @@ from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.hf import fuse_residual_norms, patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.hf_moe import register_xkern_experts, use_xkern_experts
-from torch_api.permute import generate_permute_indices, inverse_permutation, permute_rows, unpermute_rows
+from torch_api.permute import (
+    generate_permute_indices,
+    inverse_permutation,
+    permute_rows,
+    topk_permute_indices,
+    unpermute_rows,
+)
 from torch_api.rms_norm import rms_norm
 
 if torch.distributed.is_available():
@@ -22,6 +28,7 @@ __all__ = [
     "ep_dispatch",
     "fuse_residual_norms",
     "generate_permute_indices",
+    "topk_permute_indices",
     "inverse_permutation",
     "patch_hf_classes",
     "permute_rows",

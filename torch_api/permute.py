@@ -1,5 +1,5 @@
-"""Padded expert row gather for MoE in PyTorch: `generate_permute_indices`, `permute_rows`,
-`inverse_permutation`, `unpermute_rows`, and the `xkern::*` ops behind them.
+"""Padded expert row gather for MoE in PyTorch: `generate_permute_indices`, `topk_permute_indices`,
+`permute_rows`, `inverse_permutation`, `unpermute_rows`, and the `xkern::*` ops behind them.
 
 Eager calls on plain tensors launch the recipes directly (executors cached per call signature,
 `torch_api._launch.cached`, the arguments checked on a miss; autograd through `_Permute` and `_Unpermute`).
@@ -35,9 +35,11 @@ from torch_api._launch import (
 from xkern.launch import check_int
 from xkern.permute import (
     check_counts,
+    check_expert_ids,
     check_index,
     check_layout,
     check_permutation,
+    check_route,
     check_rows,
     check_top_k,
     check_unpermute,
@@ -46,6 +48,7 @@ from xkern.permute import (
     inverse_recipe,
     layout_ints,
     permute_recipe,
+    route_recipe,
     unpermute_recipe,
 )
 
@@ -82,9 +85,9 @@ def _check_rows(name: str, x) -> None:
     check_device(name, x)
 
 
-def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
+def _check_index(name: str, idx, like: torch.Tensor | None = None, two_d: bool = False) -> None:
     check_tensor(name, idx)
-    check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
+    check_index(name, dtype_name(idx.dtype), tuple(idx.shape), two_d)
     check_device(name, idx, like=like)
 
 
@@ -114,6 +117,14 @@ def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, ma
                  alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = generate_recipe(experts_per_rank, num_ranks, max_len, alignment)
     idx, m_sizes, m_offsets = run_recipe(recipe, counts.device, counts=counts.contiguous())
+    return idx, m_sizes, m_offsets
+
+
+@register_op("xkern::topk_permute_indices")
+def _route_op(ids: torch.Tensor, num_experts: int, max_len: int,
+              alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    recipe = route_recipe(int(ids.numel()), num_experts, max_len, alignment)
+    idx, m_sizes, m_offsets = run_recipe(recipe, ids.device, ids=ids.contiguous().reshape(-1))
     return idx, m_sizes, m_offsets
 
 
@@ -272,6 +283,11 @@ def _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment) 
     return Executor(generate_recipe(*layout), ("counts",))
 
 
+def _route_executor(ids, num_experts, max_len, alignment) -> Executor:
+    _check_index("expert_ids", ids, two_d=True)
+    return Executor(route_recipe(*check_route(tuple(ids.shape), num_experts, max_len, alignment)), ("ids",))
+
+
 def _inverse_executor(idx, num_rows) -> Executor:
     _check_index("permuted_indices", idx)
     return Executor(inverse_recipe(idx.shape[0], num_rows, dtype_name(idx.dtype)), ("idx",))
@@ -419,6 +435,34 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
     experts_per_rank, num_ranks, max_len, alignment = check_layout(counts.shape[0], experts_per_rank, num_ranks,
                                                                    max_len, alignment)
     return torch.ops.xkern.generate_permute_indices(counts, experts_per_rank, num_ranks, max_len, alignment)
+
+
+def topk_permute_indices(expert_ids: torch.Tensor, num_experts: int, max_len: int | None = None,
+                         alignment: int = 1, validate: bool = False,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The padded, expert-major layout of top-k routing, from the router's expert ids, on the device (no sort,
+    no host sync): what `argsort` of the ids, their counts and `generate_permute_indices(counts, num_experts,
+    1, max_len, alignment)` give, in three small launches.
+
+    expert_ids: [num_tokens, top_k] (or [num_copies]) int32/int64, copy `t * top_k + j` going to expert
+    `expert_ids[t, j]`. Returns `(permuted_indices [max_len] int32, m_sizes [E] int32, m_offsets [E] int32)`:
+    m_sizes and m_offsets as `generate_permute_indices` makes them from the counts, permuted_indices[s] the
+    copy in slot s (an expert's copies in copy order) or -1 at padding: the index of `permute_rows(x,
+    permuted_indices, top_k=top_k)` and `unpermute_rows(y, permuted_indices, num_tokens * top_k, top_k=top_k,
+    probs=...)`. max_len defaults to num_copies + num_experts * alignment (room for every copy); copies whose
+    slot is >= max_len, and ids outside [0, num_experts), get no slot; with `validate=True` (one host sync)
+    either is a ValueError.
+    """
+    ids = expert_ids
+    _, num_experts, max_len, alignment = check_route(tuple(ids.shape), num_experts, max_len, alignment)
+    if validate:
+        _check_index("expert_ids", ids, two_d=True)
+        check_expert_ids(ids.detach().cpu().numpy(), num_experts, max_len, alignment)
+    if eager(ids):
+        key = ("route", signature(ids), num_experts, max_len, alignment)
+        return tuple(cached(key, _route_executor, ids, num_experts, max_len, alignment).run(ids.contiguous()))
+    _check_index("expert_ids", ids, two_d=True)
+    return torch.ops.xkern.topk_permute_indices(ids, num_experts, max_len, alignment)
 
 
 def permute_rows(x: torch.Tensor, permuted_indices: torch.Tensor, validate: bool = False, *,

@@ -38,6 +38,11 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
   _expert_sizes_kernel     one program: m_sizes, m_offsets and the per-(rank, expert) tables;
   _fill_indices_kernel     one thread per slot: binary searches over m_offsets, then over the ranks.
   _generate_one_kernel     both in one program over every slot, up to ONE_LAUNCH_SLOTS slots (`one_launch`).
+  _route_count_kernel, _route_tables_kernel, _route_fill_kernel  topk_permute_indices: the same layout from
+                           the copies' expert ids, no sort (copies of an expert in copy order): per chunk of
+                           ROUTE_CHUNK copies the counts per expert and each copy's rank in its chunk; one
+                           program's tables (m_sizes, m_offsets, each chunk's first slot per expert); then each
+                           chunk's copies scattered to their slots beside programs writing -1 at the padding.
 """
 
 from __future__ import annotations
@@ -404,8 +409,7 @@ def _expert_sizes_kernel(
 
 
 @triton.jit
-def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts, n_ranks, OUT,
-                BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr):
+def _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr):
     # Expert of the slot: how many m_offsets are <= slot (n_experts past the last block). Upper-bound
     # binary search; STEPS_E = bit_length(n_experts) halvings always reach lo == hi.
     lo = tl.zeros([BLOCK_S], tl.int32)
@@ -416,6 +420,13 @@ def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_le
         right = tl.load(M_OFFSETS + mid, mask=active, other=0) <= slots
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts, n_ranks, OUT,
+                BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr):
+    lo = _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S, STEPS_E)
     has_expert = lo < n_experts
     e = tl.minimum(lo, n_experts - 1)
     local = slots - tl.load(M_OFFSETS + e) + tl.load(M_SIZES + e)  # position inside the expert's block
@@ -459,6 +470,90 @@ def _generate_one_kernel(
     tl.debug_barrier()
     _fill_slots(tl.arange(0, BLOCK_S), COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts,
                 n_ranks, OUT, BLOCK_S, STEPS_E, STEPS_R)
+
+
+@triton.jit
+def _route_count_kernel(
+    IDS,
+    n_copies, n_experts,
+    COUNTS, RANK,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # One chunk of copies: how many go to each expert (COUNTS[chunk, e]), and each copy's rank among the
+    # chunk's earlier copies of its expert (RANK), from one-hot tiles of SUB copies x BLOCK_E experts and
+    # their running sum down the copies. An id outside [0, n_experts) matches no stored lane.
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    seen = tl.zeros([BLOCK_E], tl.int32)  # the chunk's copies so far, per expert
+    for s in range(0, CHUNK, SUB):
+        i = c * CHUNK + s + tl.arange(0, SUB)
+        ids = tl.load(IDS + i, mask=i < n_copies, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit + seen[None, :]
+        tl.store(RANK + i, tl.sum(before * hit, axis=1), mask=i < n_copies)
+        seen += tl.sum(hit, axis=0)
+    tl.store(COUNTS + c * n_experts + experts, seen, mask=experts < n_experts)
+
+
+@triton.jit
+def _route_tables_kernel(
+    COUNTS,
+    n_chunks, n_experts, alignment,
+    M_SIZES, M_OFFSETS, TOTALS, BASE,
+    ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # One program: each expert's total and padded block (m_sizes, m_offsets as generate_permute_indices
+    # makes them), then BASE[chunk, e], the slot of the chunk's first copy of expert e: the block's start
+    # plus the copies of e in earlier chunks. Tiles of ROWS chunks x BLOCK_E experts.
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < n_experts
+    total = tl.zeros([BLOCK_E], tl.int32)
+    for r0 in range(0, n_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        tile = tl.load(COUNTS + r[:, None] * n_experts + e[None, :], mask=(r[:, None] < n_chunks) & e_mask[None, :],
+                       other=0)
+        total += tl.sum(tile, axis=0)
+    size = tl.maximum(total, alignment)
+    size = tl.where(e_mask, (size + alignment - 1) // alignment * alignment, 0)
+    end = tl.cumsum(size, axis=0)
+    tl.store(M_SIZES + e, size, mask=e_mask)
+    tl.store(M_OFFSETS + e, end, mask=e_mask)
+    tl.store(TOTALS + e, total, mask=e_mask)
+    base = end - size
+    for r0 in range(0, n_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        at = r[:, None] * n_experts + e[None, :]
+        m = (r[:, None] < n_chunks) & e_mask[None, :]
+        tile = tl.load(COUNTS + at, mask=m, other=0)
+        tl.store(BASE + at, base[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
+        base += tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _route_fill_kernel(
+    IDS, RANK, BASE, M_SIZES, M_OFFSETS, TOTALS,
+    n_copies, n_chunks, n_experts, max_len,
+    OUT,
+    CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr,
+):
+    # Every slot written once, by one of two kinds of program: the first n_chunks each write their chunk's
+    # copies to their slots (BASE + RANK; a copy whose slot is >= max_len is dropped); the others each take
+    # BLOCK_S slots and write -1 where a slot is padding (past its expert's copies, or past the last block).
+    p = tl.program_id(0)
+    if p < n_chunks:
+        i = p * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(IDS + i, mask=i < n_copies, other=-1)
+        ok = (i < n_copies) & (ids >= 0) & (ids < n_experts)
+        e = tl.where(ok, ids, 0).to(tl.int32)
+        slot = tl.load(BASE + p * n_experts + e, mask=ok, other=0) + tl.load(RANK + i, mask=ok, other=0)
+        tl.store(OUT + slot, i, mask=ok & (slot < max_len))
+    else:
+        slots = (p - n_chunks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        lo = _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S, STEPS_E)
+        e = tl.minimum(lo, n_experts - 1)
+        local = slots - tl.load(M_OFFSETS + e) + tl.load(M_SIZES + e)  # position inside the expert's block
+        pad = (lo >= n_experts) | (local >= tl.load(TOTALS + e))
+        tl.store(OUT + slots, tl.full([BLOCK_S], -1, tl.int32), mask=pad & (slots < max_len))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -595,6 +690,27 @@ def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -
     return sizes, fill
 
 
+ROUTE_CHUNK = 1024    # copies per program of the routing kernels (tables of n_copies / ROUTE_CHUNK x E)
+ROUTE_TILE = 16384    # elements of the routing kernels' one-hot and table tiles
+
+
+def plan_route_indices(n_copies: int, n_experts: int, max_len: int) -> tuple[Launch, Launch, Launch]:
+    """topk_permute_indices: the per-chunk counts and ranks, the one-program tables, the fill.
+
+    Arrays: count `(ids, counts, rank)` with `n_copies, n_experts`; tables `(counts, m_sizes, m_offsets,
+    totals, base)` with `n_chunks, n_experts, alignment`; fill `(ids, rank, base, m_sizes, m_offsets, totals,
+    out)` with `n_copies, n_chunks, n_experts, max_len`. counts and base are int32 [n_chunks, n_experts],
+    rank int32 [n_copies], totals int32 [n_experts]; n_chunks = the count launch's grid."""
+    block_e = next_pow2(n_experts)
+    n_chunks = max(1, cdiv(n_copies, ROUTE_CHUNK))
+    sub = max(1, min(64, ROUTE_TILE // block_e))
+    count = Launch(_route_count_kernel, (n_chunks,), 8, {"CHUNK": ROUTE_CHUNK, "SUB": sub, "BLOCK_E": block_e})
+    tables = Launch(_route_tables_kernel, (1,), 8, {"ROWS": max(1, ROUTE_TILE // 2 // block_e), "BLOCK_E": block_e})
+    fill = Launch(_route_fill_kernel, (n_chunks + cdiv(max_len, INDEX_BLOCK),), 4,
+                  {"CHUNK": ROUTE_CHUNK, "BLOCK_S": INDEX_BLOCK, "STEPS_E": n_experts.bit_length()})
+    return count, tables, fill
+
+
 def compile_variants() -> list[tuple[Launch, dict]]:
     """Every (kernel, constexprs) the plans can choose, with a triton 3.6 `ASTSource` signature
     (constexpr parameters are listed as "constexpr"; their values are `launch.constexprs`):
@@ -679,6 +795,18 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                                     "ROW_START": "*i32", "RANK_BEGIN": "*i32", "OUT": "*i32", "max_len": "i32",
                                     "n_experts": "i32", "n_ranks": "i32", "BLOCK_S": "constexpr",
                                     "STEPS_E": "constexpr", "STEPS_R": "constexpr"}))
+    for experts in (1, 8, 128, 256, 1000):
+        count, tables, fill = plan_route_indices(65536, experts, 65536 + 16 * experts)
+        for ids in ("*i32", "*i64"):
+            variants.append((count, {"IDS": ids, "n_copies": "i32", "n_experts": "i32", "COUNTS": "*i32",
+                                     "RANK": "*i32", "CHUNK": "constexpr", "SUB": "constexpr", "BLOCK_E": "constexpr"}))
+            variants.append((fill, {"IDS": ids, "RANK": "*i32", "BASE": "*i32", "M_SIZES": "*i32",
+                                    "M_OFFSETS": "*i32", "TOTALS": "*i32", "n_copies": "i32", "n_chunks": "i32",
+                                    "n_experts": "i32", "max_len": "i32", "OUT": "*i32", "CHUNK": "constexpr",
+                                    "BLOCK_S": "constexpr", "STEPS_E": "constexpr"}))
+        variants.append((tables, {"COUNTS": "*i32", "n_chunks": "i32", "n_experts": "i32", "alignment": "i32",
+                                  "M_SIZES": "*i32", "M_OFFSETS": "*i32", "TOTALS": "*i32", "BASE": "*i32",
+                                  "ROWS": "constexpr", "BLOCK_E": "constexpr"}))
     return variants
 
 
@@ -695,11 +823,12 @@ def check_rows(name: str, dtype: str, shape: tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype}")
 
 
-def check_index(name: str, dtype: str, shape: tuple[int, ...]) -> None:
+def check_index(name: str, dtype: str, shape: tuple[int, ...], two_d: bool = False) -> None:
+    """An int32/int64 index array, 1-D (or, `two_d`, 2-D too: expert ids [num_tokens, top_k])."""
     if dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {dtype}")
-    if len(shape) != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {list(shape)}")
+    if len(shape) not in ((1, 2) if two_d else (1,)):
+        raise ValueError(f"{name} must be {'1-D or 2-D' if two_d else '1-D'}, got shape {list(shape)}")
 
 
 def check_unpermute(y_shape: tuple[int, ...], idx_shape: tuple[int, ...], num_rows: int | None = None, top_k=1,
@@ -935,6 +1064,60 @@ def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignme
     else:
         steps.append(Step(None, (), (idx,)))
     return Recipe(tuple(steps), results)
+
+
+def check_route(ids_shape: tuple[int, ...], num_experts, max_len, alignment) -> tuple[int, int, int, int]:
+    """topk_permute_indices' arguments: expert ids [num_tokens, top_k] (or [num_copies]); returns (n_copies,
+    num_experts, max_len, alignment) as ints, max_len None meaning every copy's slot (n_copies +
+    num_experts * alignment, the most the padded layout can take)."""
+    if len(ids_shape) not in (1, 2):
+        raise ValueError(f"expert_ids must be 1-D or 2-D ([num_copies] or [num_tokens, top_k]), got shape "
+                         f"{list(ids_shape)}")
+    n_copies = int(np.prod(ids_shape))
+    num_experts = check_int("num_experts", num_experts, 1)
+    alignment = check_int("alignment", alignment, 1)
+    bound = n_copies + num_experts * alignment
+    max_len = bound if max_len is None else check_int("max_len", max_len)
+    check_row_count("expert_ids", n_copies, "copies")
+    if bound > INT32_MAX:
+        raise ValueError(f"{n_copies} copies over num_experts={num_experts} with alignment={alignment} can pad to "
+                         f"{bound} slots; m_offsets are int32 (<= {INT32_MAX})")
+    check_row_count("max_len", max_len, "slots")
+    return n_copies, num_experts, max_len, alignment
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def route_recipe(n_copies: int, num_experts: int, max_len: int, alignment: int) -> Recipe:
+    """Input ids [n_copies] (int32/int64); results permuted_indices [max_len], m_sizes and m_offsets
+    [num_experts], all int32: generate_permute_indices' layout for the copies' expert counts (one rank), each
+    slot naming its copy (t * top_k + j), copies of one expert in copy order. No sort: per-chunk counts and
+    ranks, then the tables, then every slot (`plan_route_indices`)."""
+    count, tables, fill = plan_route_indices(n_copies, num_experts, max_len)
+    n_chunks = count.grid[0]
+    per_expert = (num_experts,)
+    chunked = (n_chunks, num_experts)
+    ranks = (Buffer("counts", chunked, "int32"), Buffer("rank", (max(1, n_copies),), "int32"))
+    table = tuple(Buffer(name, per_expert, "int32") for name in ("m_sizes", "m_offsets", "totals"))
+    steps = [Step(count, ("ids",), ranks, dict(n_copies=n_copies, n_experts=num_experts)),
+             Step(tables, ("counts",), (*table, Buffer("base", chunked, "int32")),
+                  dict(n_chunks=n_chunks, n_experts=num_experts, alignment=alignment))]
+    idx = Buffer("idx", (max_len,), "int32")
+    if max_len:
+        steps.append(Step(fill, ("ids", "rank", "base", "m_sizes", "m_offsets", "totals"), (idx,),
+                          dict(n_copies=n_copies, n_chunks=n_chunks, n_experts=num_experts, max_len=max_len)))
+    else:
+        steps.append(Step(None, (), (idx,)))
+    return Recipe(tuple(steps), ("idx", "m_sizes", "m_offsets"))
+
+
+def check_expert_ids(ids: np.ndarray, num_experts: int, max_len: int, alignment: int) -> None:
+    """validate=True for topk_permute_indices: every id names an expert, and every copy gets a slot < max_len."""
+    ids = np.asarray(ids).astype(np.int64).reshape(-1)
+    bad = np.flatnonzero((ids < 0) | (ids >= num_experts))
+    if bad.size:
+        raise ValueError(f"expert_ids (flattened) [{int(bad[0])}] = {int(ids[bad[0]])} is not an expert: ids must "
+                         f"be in [0, {num_experts})")
+    check_counts(np.bincount(ids, minlength=num_experts), num_experts, alignment, max_len)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -228,6 +228,20 @@ def generate_permute_indices(counts, experts_per_rank: int, num_ranks: int, max_
     return out.astype(np.int32), m_sizes.astype(np.int32), m_offsets.astype(np.int32)
 
 
+def topk_permute_indices(expert_ids, num_experts: int, max_len: int,
+                         alignment: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """generate_permute_indices' layout for the copies' expert counts (one rank), each slot naming its copy
+    (the flattened index of expert_ids); copies of one expert in copy order; ids outside [0, num_experts) get
+    no slot."""
+    ids = np.asarray(expert_ids, np.int64).reshape(-1)
+    valid = np.flatnonzero((ids >= 0) & (ids < num_experts))
+    order = valid[np.argsort(ids[valid], kind="stable")]  # the copies, expert by expert, in copy order
+    rows, m_sizes, m_offsets = generate_permute_indices(np.bincount(ids[valid], minlength=num_experts), num_experts,
+                                                        1, max_len, alignment)
+    return np.where(rows >= 0, order[np.maximum(rows, 0)] if order.size else -1, -1).astype(np.int32), m_sizes, \
+        m_offsets
+
+
 def permute_rows(x: np.ndarray, idx) -> np.ndarray:
     """out[i] = x[idx[i]], a +0.0 row where idx[i] == -1 (bits of x copied as they are)."""
     out = np.zeros((len(idx), x.shape[1]), x.dtype)
