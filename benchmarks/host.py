@@ -232,6 +232,11 @@ def _moe_entries(device: str):
     y = torch.randn(slot_copy.numel(), h, generator=gen, device=device, dtype=torch.bfloat16)
     flat = probs.to(torch.bfloat16)
     shape = f"{t} tokens×top-{k}, H {h} bf16"
+    # the layout from the router's ids: xkern's one op against the sort, counts and generate of `layout`
+    yield "topk_permute_indices", "fwd", "xkern (torch)", f"{t} tokens×top-{k}, {e} experts", functools.partial(
+        tp.topk_permute_indices, ids, e, alignment=ML.ALIGN)
+    yield "topk_permute_indices", "fwd", "argsort + counts + generate", f"{t} tokens×top-{k}, {e} experts", \
+        functools.partial(ML.layout, ids, e)
     yield "permute_rows(top_k)", "fwd", "xkern (torch)", shape, functools.partial(tp.permute_rows, x, slot_copy,
                                                                                    top_k=k)
     yield "permute_rows(top_k)", "fwd", "torchtitan", shape, functools.partial(ML.torchtitan_dispatch, x, k, routing)

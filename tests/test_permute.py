@@ -199,22 +199,23 @@ def test_topk_indices_every_slot_written():
     tokens, top_k, experts, alignment = 300, 8, 9, 4
     ids = to_torch(_route_ids(("poison",), tokens, top_k, experts).astype(np.int32))
     n = tokens * top_k
-    max_len = n + experts * alignment + 5
-    count, tables, fill = plan_route_indices(n, experts, max_len)
-    chunks = count.grid[0]
 
     def poisoned(*shape):
         return torch.full(shape, -7, dtype=torch.int32, device=DEVICE)
 
-    counts, rank = poisoned(chunks, experts), poisoned(n)
-    sizes, offsets, totals, base, idx = (poisoned(experts), poisoned(experts), poisoned(experts),
-                                         poisoned(chunks, experts), poisoned(max_len))
-    launch(count, ids, counts, rank, n_copies=n, n_experts=experts)
-    launch(tables, counts, sizes, offsets, totals, base, n_chunks=chunks, n_experts=experts, alignment=alignment)
-    launch(fill, ids, rank, base, sizes, offsets, totals, idx, n_copies=n, n_chunks=chunks, n_experts=experts,
-           max_len=max_len)
-    ref = R.topk_permute_indices(to_numpy(ids), experts, max_len, alignment)
-    assert same_bits(idx, ref[0]) and same_bits(sizes, ref[1]) and same_bits(offsets, ref[2])
+    for max_len in (n + experts * alignment + 5, n // 2):  # slots past the last block; copies dropped
+        count, tables, fill = plan_route_indices(n, experts, max_len)
+        chunks = count.grid[0]
+        counts, rank = poisoned(chunks, experts), poisoned(n)
+        sizes, offsets, totals, base, idx = (poisoned(experts), poisoned(experts), poisoned(experts),
+                                             poisoned(chunks, experts), poisoned(max_len))
+        launch(count, ids, counts, rank, n_copies=n, n_experts=experts)
+        launch(tables, counts, sizes, offsets, totals, base, n_chunks=chunks, n_experts=experts, alignment=alignment)
+        launch(fill, ids, rank, base, sizes, offsets, totals, idx, n_copies=n, n_chunks=chunks, n_experts=experts,
+               max_len=max_len)
+        ref = R.topk_permute_indices(to_numpy(ids), experts, max_len, alignment)
+        assert same_bits(idx, ref[0]) and same_bits(sizes, ref[1]) and same_bits(offsets, ref[2])
+        assert (ref[0] == -1).any()
 
 
 def test_validate_topk_indices():

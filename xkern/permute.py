@@ -42,7 +42,8 @@ Kernels (plans are fixed, from shapes and element sizes only, so both front ends
                            the copies' expert ids, no sort (copies of an expert in copy order): per chunk of
                            ROUTE_CHUNK copies the counts per expert and each copy's rank in its chunk; one
                            program's tables (m_sizes, m_offsets, each chunk's first slot per expert); then each
-                           chunk's copies scattered to their slots beside programs writing -1 at the padding.
+                           chunk's copies scattered to their slots beside one program per expert writing -1 at
+                           its padding and its share of the slots past the last block.
 """
 
 from __future__ import annotations
@@ -409,7 +410,8 @@ def _expert_sizes_kernel(
 
 
 @triton.jit
-def _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr):
+def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts, n_ranks, OUT,
+                BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr):
     # Expert of the slot: how many m_offsets are <= slot (n_experts past the last block). Upper-bound
     # binary search; STEPS_E = bit_length(n_experts) halvings always reach lo == hi.
     lo = tl.zeros([BLOCK_S], tl.int32)
@@ -420,13 +422,6 @@ def _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S: tl.constexpr, STEPS_E: tl.c
         right = tl.load(M_OFFSETS + mid, mask=active, other=0) <= slots
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
-    return lo
-
-
-@triton.jit
-def _fill_slots(slots, COUNTS, M_SIZES, M_OFFSETS, ROW_START, RANK_BEGIN, max_len, n_experts, n_ranks, OUT,
-                BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr, STEPS_R: tl.constexpr):
-    lo = _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S, STEPS_E)
     has_expert = lo < n_experts
     e = tl.minimum(lo, n_experts - 1)
     local = slots - tl.load(M_OFFSETS + e) + tl.load(M_SIZES + e)  # position inside the expert's block
@@ -534,11 +529,12 @@ def _route_fill_kernel(
     IDS, RANK, BASE, M_SIZES, M_OFFSETS, TOTALS,
     n_copies, n_chunks, n_experts, max_len,
     OUT,
-    CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, STEPS_E: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Every slot written once, by one of two kinds of program: the first n_chunks each write their chunk's
-    # copies to their slots (BASE + RANK; a copy whose slot is >= max_len is dropped); the others each take
-    # BLOCK_S slots and write -1 where a slot is padding (past its expert's copies, or past the last block).
+    # copies to their slots (BASE + RANK; a copy whose slot is >= max_len is dropped); then one program per
+    # expert writes -1 over its block's padding (past its copies) and over its share of the slots past the
+    # last block.
     p = tl.program_id(0)
     if p < n_chunks:
         i = p * CHUNK + tl.arange(0, CHUNK)
@@ -548,12 +544,19 @@ def _route_fill_kernel(
         slot = tl.load(BASE + p * n_experts + e, mask=ok, other=0) + tl.load(RANK + i, mask=ok, other=0)
         tl.store(OUT + slot, i, mask=ok & (slot < max_len))
     else:
-        slots = (p - n_chunks) * BLOCK_S + tl.arange(0, BLOCK_S)
-        lo = _expert_of(slots, M_OFFSETS, n_experts, BLOCK_S, STEPS_E)
-        e = tl.minimum(lo, n_experts - 1)
-        local = slots - tl.load(M_OFFSETS + e) + tl.load(M_SIZES + e)  # position inside the expert's block
-        pad = (lo >= n_experts) | (local >= tl.load(TOTALS + e))
-        tl.store(OUT + slots, tl.full([BLOCK_S], -1, tl.int32), mask=pad & (slots < max_len))
+        e = p - n_chunks
+        end = tl.load(M_OFFSETS + e)
+        pad_end = tl.minimum(end, max_len)
+        last = tl.load(M_OFFSETS + n_experts - 1)
+        share = tl.cdiv(tl.maximum(max_len - last, 0), n_experts)
+        tail_end = tl.minimum(last + (e + 1) * share, max_len)
+        minus_one = tl.full([BLOCK_S], -1, tl.int32)
+        for s0 in range(end - tl.load(M_SIZES + e) + tl.load(TOTALS + e), pad_end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            tl.store(OUT + s, minus_one, mask=s < pad_end)
+        for s0 in range(last + e * share, tail_end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            tl.store(OUT + s, minus_one, mask=s < tail_end)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -706,8 +709,7 @@ def plan_route_indices(n_copies: int, n_experts: int, max_len: int) -> tuple[Lau
     sub = max(1, min(64, ROUTE_TILE // block_e))
     count = Launch(_route_count_kernel, (n_chunks,), 8, {"CHUNK": ROUTE_CHUNK, "SUB": sub, "BLOCK_E": block_e})
     tables = Launch(_route_tables_kernel, (1,), 8, {"ROWS": max(1, ROUTE_TILE // 2 // block_e), "BLOCK_E": block_e})
-    fill = Launch(_route_fill_kernel, (n_chunks + cdiv(max_len, INDEX_BLOCK),), 4,
-                  {"CHUNK": ROUTE_CHUNK, "BLOCK_S": INDEX_BLOCK, "STEPS_E": n_experts.bit_length()})
+    fill = Launch(_route_fill_kernel, (n_chunks + n_experts,), 4, {"CHUNK": ROUTE_CHUNK, "BLOCK_S": 256})
     return count, tables, fill
 
 
@@ -803,7 +805,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
             variants.append((fill, {"IDS": ids, "RANK": "*i32", "BASE": "*i32", "M_SIZES": "*i32",
                                     "M_OFFSETS": "*i32", "TOTALS": "*i32", "n_copies": "i32", "n_chunks": "i32",
                                     "n_experts": "i32", "max_len": "i32", "OUT": "*i32", "CHUNK": "constexpr",
-                                    "BLOCK_S": "constexpr", "STEPS_E": "constexpr"}))
+                                    "BLOCK_S": "constexpr"}))
         variants.append((tables, {"COUNTS": "*i32", "n_chunks": "i32", "n_experts": "i32", "alignment": "i32",
                                   "M_SIZES": "*i32", "M_OFFSETS": "*i32", "TOTALS": "*i32", "BASE": "*i32",
                                   "ROWS": "constexpr", "BLOCK_E": "constexpr"}))
