@@ -119,6 +119,17 @@ def main():
                                 (probs.grad, ref_dp, "dprobs"), (x.grad, R.combine_rows(yn, ix, n, top_k), "dx")):
             assert np.allclose(_np(got).astype(np.float64), want, rtol=2e-2, atol=2e-2), name
         count += 1
+    # topk_permute_indices: partial chunks, an expert no copy picks, ids past num_experts, copies dropped past a
+    # short max_len, slots past the last block, no copies, more experts than copies
+    for tokens, top_k, experts, align, short in [(300, 8, 9, 16, False), (700, 3, 5, 4, True), (0, 2, 3, 2, False),
+                                                 (130, 4, 1000, 2, False), (5000, 8, 256, 16, False)]:
+        ids = torch.randint(0, experts + 1, (tokens, top_k), device="cuda", generator=g)  # `experts`: no expert
+        ids[ids == 1] = 2
+        max_len = tokens * top_k // 2 if short else tokens * top_k + experts * align + 7
+        got = torch_api.topk_permute_indices(ids, experts, max_len, align)
+        want = R.topk_permute_indices(ids.cpu().numpy(), experts, max_len, align)
+        assert all(np.array_equal(g_.cpu().numpy(), w) for g_, w in zip(got, want)), (tokens, top_k, experts)
+        count += 1
     torch.cuda.synchronize()
     print(f"sanitize subset: {count} cases ran and matched the oracle")
 

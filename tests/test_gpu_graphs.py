@@ -108,6 +108,36 @@ def test_cuda_graph_capture_moe_dispatch_combine():
     assert all(same_bits(a, b) for a, b in zip(captured, eager, strict=True))
 
 
+def test_topk_permute_indices_captured_compiled_and_at_moe_sizes():
+    """The layout from the router's ids at the MoE benchmark's sizes (Qwen3-MoE: 16384 x top 8 over 128
+    experts; DeepSeek-V3: 8192 x top 8 over 256) equals a stable argsort, the counts and
+    generate_permute_indices, bit for bit; a CUDA graph of it replays the eager result (no host sync), and
+    torch.compile(fullgraph=True) gives it too."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for tokens, experts in ((16384, 128), (8192, 256)):
+        ids = torch.randint(0, experts, (tokens, 8), device="cuda", generator=g)
+        got = torch_api.topk_permute_indices(ids, experts, alignment=16)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True).int()
+        counts = torch.bincount(flat, minlength=experts).int()
+        rows, sizes, offsets = torch_api.generate_permute_indices(counts, experts, 1, got[0].numel(), 16)
+        want = (torch.where(rows >= 0, order[rows.clamp(min=0).long()], -1), sizes, offsets)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (tokens, experts)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch_api.topk_permute_indices(ids, experts, alignment=16)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        captured = torch_api.topk_permute_indices(ids, experts, alignment=16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, got, strict=True))
+    compiled = torch.compile(lambda i: torch_api.topk_permute_indices(i, experts, alignment=16), fullgraph=True)(ids)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, got, strict=True))
+
+
 def test_inductor_fullgraph_moe_combine_matches_eager():
     idx, x, probs, dout = _moe_inputs(tokens=512, hidden=1024)
     top_k, n = probs.shape[1], probs.numel()

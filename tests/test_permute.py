@@ -193,6 +193,23 @@ def test_topk_indices_feed_the_top_k_gathers():
     assert same_bits(out, x)
 
 
+def test_topk_indices_under_torch_compile():
+    """torch.compile(fullgraph=True) traces the router's ids -> layout -> dispatch -> combine (the op's fake
+    implementation gives the shapes); the compiled result equals eager's."""
+    tokens, top_k, experts = 24, 2, 5
+    ids = to_torch(_route_ids(("compile",), tokens, top_k, experts))
+    x = to_torch(rand(_rng("compile-x"), (tokens, 16), "float32"))
+    probs = to_torch(rand(_rng("compile-p"), (tokens, top_k), "float32"))
+
+    def f(ids, x, probs):
+        idx, _, _ = torch_api.topk_permute_indices(ids, experts, alignment=4)
+        xp = torch_api.permute_rows(x, idx, top_k=top_k)
+        return torch_api.unpermute_rows(xp.sin(), idx, tokens * top_k, top_k=top_k, probs=probs)
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(ids, x, probs)
+    assert same_bits(got, f(ids, x, probs))
+
+
 def test_topk_indices_every_slot_written():
     """The three kernels on poisoned outputs and scratch: every slot, size and offset comes out written (the fill
     runs its copies' programs beside the padding programs; a slot left to neither would keep the poison)."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import triton
@@ -1075,7 +1076,7 @@ def check_route(ids_shape: tuple[int, ...], num_experts, max_len, alignment) -> 
     if len(ids_shape) not in (1, 2):
         raise ValueError(f"expert_ids must be 1-D or 2-D ([num_copies] or [num_tokens, top_k]), got shape "
                          f"{list(ids_shape)}")
-    n_copies = int(np.prod(ids_shape))
+    n_copies = math.prod(ids_shape)
     num_experts = check_int("num_experts", num_experts, 1)
     alignment = check_int("alignment", alignment, 1)
     bound = n_copies + num_experts * alignment
