@@ -544,18 +544,18 @@ def _route_fill_kernel(
         e = tl.where(ok, ids, 0).to(tl.int32)
         slot = tl.load(BASE + p * n_experts + e, mask=ok, other=0) + tl.load(RANK + i, mask=ok, other=0)
         tl.store(OUT + slot, i, mask=ok & (slot < max_len))
-    else:
-        e = p - n_chunks
-        end = tl.load(M_OFFSETS + e)
+    else:  # (names of their own: a name bound in both branches must have one type)
+        expert = p - n_chunks
+        end = tl.load(M_OFFSETS + expert)
         pad_end = tl.minimum(end, max_len)
         last = tl.load(M_OFFSETS + n_experts - 1)
         share = tl.cdiv(tl.maximum(max_len - last, 0), n_experts)
-        tail_end = tl.minimum(last + (e + 1) * share, max_len)
+        tail_end = tl.minimum(last + (expert + 1) * share, max_len)
         minus_one = tl.full([BLOCK_S], -1, tl.int32)
-        for s0 in range(end - tl.load(M_SIZES + e) + tl.load(TOTALS + e), pad_end, BLOCK_S):
+        for s0 in range(end - tl.load(M_SIZES + expert) + tl.load(TOTALS + expert), pad_end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             tl.store(OUT + s, minus_one, mask=s < pad_end)
-        for s0 in range(last + e * share, tail_end, BLOCK_S):
+        for s0 in range(last + expert * share, tail_end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             tl.store(OUT + s, minus_one, mask=s < tail_end)
 
