@@ -47,6 +47,11 @@ def test_vmap_gathers():
     for i in range(2):
         for a, b in zip(gen, jax_api.generate_permute_indices(both[i], 2, 2, 24, 4)):
             assert same_bits(a[i], b)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 3, (2, 5, 2)).astype(np.int32))  # 2 examples, top 2
+    routes = jax.vmap(lambda i: jax_api.topk_permute_indices(i, 3, alignment=4))(ids)
+    for i in range(2):
+        for a, b in zip(routes, jax_api.topk_permute_indices(ids[i], 3, alignment=4)):
+            assert same_bits(a[i], b)
 
 
 _SHARD_MAP = textwrap.dedent("""
