@@ -324,18 +324,13 @@ def _generate_kernels(counts, experts_per_rank: int, num_ranks: int, max_len: in
 
 def topk_permute_indices(expert_ids, num_experts: int, max_len: int | None = None, alignment: int = 1,
                          validate: bool = False):
-    """The padded, expert-major layout of top-k routing, from the router's expert ids, on the device (no sort):
-    what `argsort` of the ids, their counts and `generate_permute_indices(counts, num_experts, 1, max_len,
-    alignment)` give, in three small launches.
-
-    expert_ids: [num_tokens, top_k] (or [num_copies]) int32/int64, copy `t * top_k + j` going to expert
-    `expert_ids[t, j]`. Returns `(permuted_indices [max_len] int32, m_sizes [E] int32, m_offsets [E] int32)`:
-    m_sizes and m_offsets as `generate_permute_indices` makes them from the counts, permuted_indices[s] the
-    copy in slot s (an expert's copies in copy order) or -1 at padding: the index of `permute_rows(x,
-    permuted_indices, top_k=top_k)` and `unpermute_rows(y, permuted_indices, num_tokens * top_k, top_k=top_k,
-    probs=...)`. max_len defaults to num_copies + num_experts * alignment (room for every copy); copies whose
-    slot is >= max_len, and ids outside [0, num_experts), get no slot; with `validate=True` (concrete ids
-    only) either is a ValueError. Under sharded jit the ids are gathered and the results replicated.
+    """`(permuted_indices [max_len], m_sizes [E], m_offsets [E])`, int32: the padded expert-major layout of the
+    copies `t * top_k + j` of expert_ids ([num_tokens, top_k] or [num_copies], int32/int64), made on the device
+    without a sort, the same as a stable argsort of the ids, their counts and `generate_permute_indices(counts,
+    num_experts, 1, max_len, alignment)` (docs/ops.md). Slot s names its copy, -1 at padding: the index
+    `permute_rows(x, idx, top_k=top_k)` and the weighted combine take. max_len (default: num_copies +
+    num_experts * alignment) drops the copies past it, as ids outside [0, num_experts) are dropped;
+    `validate=True` (concrete ids) raises on either. Sharded jit: the ids all-gathered, the op replicated.
     """
     ids = expert_ids
     _check_index("expert_ids", ids, two_d=True)
