@@ -88,7 +88,10 @@ def test_readme_first_call_and_moe_gathers():
     tokens, probs, out = ns["tokens"], ns["probs"], ns["out"]
     want = (probs.double().sum(1, keepdim=True) * 2 * tokens.double()).float()  # each token's 2 copies alike
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    assert not ns["xp"][torch.tensor(idx) < 0].any()
+    tk_idx = ns["tk_idx"].tolist()  # experts 0, 1, 3 get two copies each, in copy order; expert 2 none
+    assert ns["tk_sizes"].tolist() == [4, 4, 4, 4] and tk_idx[:8] == [0, 4, -1, -1, 3, 5, -1, -1]
+    assert tk_idx[8:] == [-1] * 4 + [1, 2, -1, -1] + [-1] * 6
+    assert not ns["xp"][torch.tensor(tk_idx) < 0].any()
 
 
 def _rms_inputs(shape=(3, 8), dtype="float32"):
