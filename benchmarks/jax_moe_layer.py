@@ -222,6 +222,18 @@ def tiled_gemm(rows_by_ragged_dot: bool = False):
 MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 
 
+def mgpu_blocks(text: str) -> dict:
+    """`--mgpu-blocks`: "block_n=256,grid_block_n=2" -> {"block_n": 256, "grid_block_n": 2}, keys of MGPU_BLOCKS."""
+    blocks = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in MGPU_BLOCKS or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected KEY=N with N >= 1 and KEY one of {', '.join(MGPU_BLOCKS)}, "
+                                              f"got {item!r}")
+        blocks[key] = int(value)
+    return blocks
+
+
 def mgpu_kernels():
     """(ragged_dot, transposed_ragged_dot) of jax's Mosaic GPU ops, or None where this jax lacks them."""
     try:
@@ -689,6 +701,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
                         "shared by both paths (default auto, on a GPU: jax's Mosaic GPU kernels, else its Pallas "
                         "lowering of ragged_dot, else the tiled loop, the first this jax has; ragged_dot on a CPU)")
+    parser.add_argument("--mgpu-blocks", type=mgpu_blocks, default={}, metavar="KEY=N,...",
+                        help="with --experts-gemm mgpu: its tiles in place of MGPU_BLOCKS' (block_m, block_n, "
+                        "block_k, max_concurrent_steps, grid_block_n), e.g. block_n=256,grid_block_n=2")
     parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
                         "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)
@@ -709,6 +724,7 @@ def main(argv=None) -> int:
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     experts_gemm = use_expert_gemm(args.experts_gemm)
+    MGPU_BLOCKS.update(args.mgpu_blocks)
     device = jax.devices()[0].device_kind if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
@@ -722,6 +738,7 @@ def main(argv=None) -> int:
                 "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
                 "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm,
                 "experts_gemm_name": EXPERT_GEMM_NAMES[experts_gemm], "jax": jax.__version__,
+                **({"mgpu_blocks": dict(MGPU_BLOCKS)} if experts_gemm == "mgpu" else {}),
                 "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm), final)
 
     rows = []

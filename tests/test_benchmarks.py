@@ -4,6 +4,7 @@ here first. Timings of a smoke run are not measurements; only that everything ra
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -487,6 +488,17 @@ def test_moe_layer_rows_check_every_path(tmp_path):
     new = [(old, r) for old, r in zip(rows, again["rows"], strict=True) if old != r]
     assert all((r["impl"], r["part"]) == ("xkern", "dispatch+combine") for _, r in new), new  # the others kept
     assert [run["paths"] for run in again["runs"]] == [list(moe_layer.PATHS), ["xkern"]]
+
+
+def test_mgpu_blocks_argument():
+    """`--mgpu-blocks` takes MGPU_BLOCKS' keys with positive ints, and names what it expected otherwise."""
+    from benchmarks import jax_moe_layer as J
+
+    assert J.mgpu_blocks("block_n=256,grid_block_n=2") == {"block_n": 256, "grid_block_n": 2}
+    assert J.mgpu_blocks("") == {}
+    for bad in ("block_x=1", "block_n=0", "block_n=big", "block_n"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=N"):
+            J.mgpu_blocks(bad)
 
 
 def test_moe_reference_check_fails_a_wrong_result():
