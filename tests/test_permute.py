@@ -251,6 +251,7 @@ def test_validate_topk_indices():
                 (ValueError, "expert_ids must be 1-D or 2-D", ids[None], (3,)),
                 (TypeError, "expert_ids must be int32 or int64", ids * 1.0, (3,)),
                 (ValueError, "num_experts must be >= 1", ids, (0,)),
+                (ValueError, "num_experts must be <= 16384", ids, (16385,)),
                 (ValueError, "alignment must be >= 1", ids, (3, None, 0)),
                 (ValueError, "max_len must be >= 0", ids, (3, -1)),
                 (ValueError, "can pad to 3221225478 slots", ids, (3, None, 2**30))):

@@ -696,6 +696,7 @@ def plan_generate_indices(experts_per_rank: int, num_ranks: int, max_len: int) -
 
 ROUTE_CHUNK = 1024    # copies per program of the routing kernels (tables of n_copies / ROUTE_CHUNK x E)
 ROUTE_TILE = 16384    # elements of the routing kernels' one-hot and table tiles
+MAX_ROUTE_EXPERTS = 16384  # a row of every expert's counts is one tile of the routing kernels
 
 
 def plan_route_indices(n_copies: int, n_experts: int, max_len: int) -> tuple[Launch, Launch, Launch]:
@@ -798,7 +799,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                                     "ROW_START": "*i32", "RANK_BEGIN": "*i32", "OUT": "*i32", "max_len": "i32",
                                     "n_experts": "i32", "n_ranks": "i32", "BLOCK_S": "constexpr",
                                     "STEPS_E": "constexpr", "STEPS_R": "constexpr"}))
-    for experts in (1, 8, 128, 256, 1000):
+    for experts in (1, 8, 128, 256, 1000, MAX_ROUTE_EXPERTS):
         count, tables, fill = plan_route_indices(65536, experts, 65536 + 16 * experts)
         for ids in ("*i32", "*i64"):
             variants.append((count, {"IDS": ids, "n_copies": "i32", "n_experts": "i32", "COUNTS": "*i32",
@@ -1078,6 +1079,9 @@ def check_route(ids_shape: tuple[int, ...], num_experts, max_len, alignment) -> 
                          f"{list(ids_shape)}")
     n_copies = math.prod(ids_shape)
     num_experts = check_int("num_experts", num_experts, 1)
+    if num_experts > MAX_ROUTE_EXPERTS:
+        raise ValueError(f"num_experts must be <= {MAX_ROUTE_EXPERTS} (a row of every expert's counts is one tile of "
+                         f"the routing kernels), got {num_experts}")
     alignment = check_int("alignment", alignment, 1)
     bound = n_copies + num_experts * alignment
     max_len = bound if max_len is None else check_int("max_len", max_len)
