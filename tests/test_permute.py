@@ -257,6 +257,9 @@ def test_validate_topk_indices():
                 (ValueError, "can pad to 3221225478 slots", ids, (3, None, 2**30))):
             with pytest.raises(err, match=message):
                 fn(conv(bad), *args)
+    for fn in (torch_api.topk_permute_indices, jax_api.topk_permute_indices):
+        with pytest.raises(TypeError, match="expert_ids must be a"):
+            fn([[0, 1]], 3)
     with pytest.raises(ValueError, match="needs a concrete"):
         jax.jit(lambda i: jax_api.topk_permute_indices(i, 3, validate=True))(jnp.asarray(ids))
 

@@ -454,6 +454,7 @@ def topk_permute_indices(expert_ids: torch.Tensor, num_experts: int, max_len: in
     either is a ValueError.
     """
     ids = expert_ids
+    check_tensor("expert_ids", ids)
     _, num_experts, max_len, alignment = check_route(tuple(ids.shape), num_experts, max_len, alignment)
     if validate:
         _check_index("expert_ids", ids, two_d=True)
