@@ -259,9 +259,9 @@ def _check_rows(name: str, x) -> None:
     contract.check_rows(name, x.dtype.name, tuple(x.shape))
 
 
-def _check_index(name: str, idx, like=None, two_d: bool = False) -> None:
+def _check_index(name: str, idx, like=None) -> None:
     check_array(name, idx)
-    contract.check_index(name, idx.dtype.name, tuple(idx.shape), two_d)
+    contract.check_index(name, idx.dtype.name, tuple(idx.shape))
     if like is not None:
         devices = [_devices(a) for a in (idx, like)]
         if None not in devices and devices[0] != devices[1]:
@@ -333,9 +333,9 @@ def topk_permute_indices(expert_ids, num_experts: int, max_len: int | None = Non
     `validate=True` (concrete ids) raises on either. Sharded jit: the ids all-gathered, the op replicated.
     """
     ids = expert_ids
-    _check_index("expert_ids", ids, two_d=True)
-    n_copies, num_experts, max_len, alignment = contract.check_route(tuple(ids.shape), num_experts, max_len,
-                                                                     alignment)
+    check_array("expert_ids", ids)
+    n_copies, num_experts, max_len, alignment = contract.check_route(ids.dtype.name, tuple(ids.shape), num_experts,
+                                                                     max_len, alignment)
     if validate:
         contract.check_expert_ids(_host("expert_ids", ids), num_experts, max_len, alignment)
     outs = _route_op(n_copies, num_experts, max_len, alignment)(ids.reshape(-1))

@@ -48,6 +48,7 @@ from xkern.permute import (
     inverse_recipe,
     layout_ints,
     permute_recipe,
+    route_ints,
     route_recipe,
     unpermute_recipe,
 )
@@ -85,10 +86,15 @@ def _check_rows(name: str, x) -> None:
     check_device(name, x)
 
 
-def _check_index(name: str, idx, like: torch.Tensor | None = None, two_d: bool = False) -> None:
+def _check_index(name: str, idx, like: torch.Tensor | None = None) -> None:
     check_tensor(name, idx)
-    check_index(name, dtype_name(idx.dtype), tuple(idx.shape), two_d)
+    check_index(name, dtype_name(idx.dtype), tuple(idx.shape))
     check_device(name, idx, like=like)
+
+
+def _check_route(ids, num_experts: int, max_len: int | None, alignment: int) -> tuple[int, int, int, int]:
+    check_device("expert_ids", ids)
+    return check_route(dtype_name(ids.dtype), tuple(ids.shape), num_experts, max_len, alignment)
 
 
 def _check_permute(x, idx) -> None:
@@ -284,8 +290,7 @@ def _generate_executor(counts, experts_per_rank, num_ranks, max_len, alignment) 
 
 
 def _route_executor(ids, num_experts, max_len, alignment) -> Executor:
-    _check_index("expert_ids", ids, two_d=True)
-    return Executor(route_recipe(*check_route(tuple(ids.shape), num_experts, max_len, alignment)), ("ids",))
+    return Executor(route_recipe(*_check_route(ids, num_experts, max_len, alignment)), ("ids",))
 
 
 def _inverse_executor(idx, num_rows) -> Executor:
@@ -455,14 +460,13 @@ def topk_permute_indices(expert_ids: torch.Tensor, num_experts: int, max_len: in
     """
     ids = expert_ids
     check_tensor("expert_ids", ids)
-    _, num_experts, max_len, alignment = check_route(tuple(ids.shape), num_experts, max_len, alignment)
+    num_experts, max_len, alignment = route_ints(num_experts, max_len, alignment)
     if validate:
-        _check_index("expert_ids", ids, two_d=True)
-        check_expert_ids(ids.detach().cpu().numpy(), num_experts, max_len, alignment)
+        check_expert_ids(ids.detach().cpu().numpy(), *_check_route(ids, num_experts, max_len, alignment)[1:])
     if eager(ids):
         key = ("route", signature(ids), num_experts, max_len, alignment)
         return tuple(cached(key, _route_executor, ids, num_experts, max_len, alignment).run(ids.contiguous()))
-    _check_index("expert_ids", ids, two_d=True)
+    _, num_experts, max_len, alignment = _check_route(ids, num_experts, max_len, alignment)
     return torch.ops.xkern.topk_permute_indices(ids, num_experts, max_len, alignment)
 
 

@@ -1070,21 +1070,25 @@ def generate_recipe(experts_per_rank: int, num_ranks: int, max_len: int, alignme
     return Recipe(tuple(steps), results)
 
 
-def check_route(ids_shape: tuple[int, ...], num_experts, max_len, alignment) -> tuple[int, int, int, int]:
-    """topk_permute_indices' arguments: expert ids [num_tokens, top_k] (or [num_copies]); returns (n_copies,
-    num_experts, max_len, alignment) as ints, max_len None meaning every copy's slot (n_copies +
+def route_ints(num_experts, max_len, alignment) -> tuple[int, int | None, int]:
+    """topk_permute_indices' scalars as Python ints (`check_int`: the front ends' door); max_len may be None."""
+    return (check_int("num_experts", num_experts, 1), None if max_len is None else check_int("max_len", max_len),
+            check_int("alignment", alignment, 1))
+
+
+def check_route(ids_dtype: str, ids_shape: tuple[int, ...], num_experts, max_len,
+                alignment) -> tuple[int, int, int, int]:
+    """topk_permute_indices' arguments: expert ids [num_tokens, top_k] (or [num_copies]), int32/int64; returns
+    (n_copies, num_experts, max_len, alignment) as ints, max_len None meaning every copy's slot (n_copies +
     num_experts * alignment, the most the padded layout can take)."""
-    if len(ids_shape) not in (1, 2):
-        raise ValueError(f"expert_ids must be 1-D or 2-D ([num_copies] or [num_tokens, top_k]), got shape "
-                         f"{list(ids_shape)}")
+    check_index("expert_ids", ids_dtype, ids_shape, two_d=True)
     n_copies = math.prod(ids_shape)
-    num_experts = check_int("num_experts", num_experts, 1)
+    num_experts, max_len, alignment = route_ints(num_experts, max_len, alignment)
     if num_experts > MAX_ROUTE_EXPERTS:
         raise ValueError(f"num_experts must be <= {MAX_ROUTE_EXPERTS} (a row of every expert's counts is one tile of "
                          f"the routing kernels), got {num_experts}")
-    alignment = check_int("alignment", alignment, 1)
     bound = n_copies + num_experts * alignment
-    max_len = bound if max_len is None else check_int("max_len", max_len)
+    max_len = bound if max_len is None else max_len
     check_row_count("expert_ids", n_copies, "copies")
     if bound > INT32_MAX:
         raise ValueError(f"{n_copies} copies over num_experts={num_experts} with alignment={alignment} can pad to "
