@@ -17,11 +17,11 @@ __all__ = [
     "ep_combine",
     "ep_dispatch",
     "generate_permute_indices",
-    "topk_permute_indices",
     "inverse_permutation",
     "permute_rows",
     "rms_norm",
     "rms_norm_tp",
+    "topk_permute_indices",
     "unpermute_rows",
     "use_triton_ptxas",
 ]
