@@ -136,7 +136,7 @@ def xkern_layout(ids, num_experts: int):
 
 # ---------------------------------------------------------------------------------------------------
 # torch: dispatch + experts + combine, one function per path: (x, probs, routing, run_experts) -> [T, H]
-# (`routing`: `layout`'s four results, then the expert ids; a path's `layout` attribute replaces `layout`)
+# (`routing`: `layout`'s four results, then the expert ids; `LAYOUTS` names a path's own layout function)
 
 
 def xkern_path(x, probs, routing, run_experts):
@@ -147,8 +147,6 @@ def xkern_path(x, probs, routing, run_experts):
     y = run_experts(torch_api.permute_rows(x, slot_copy, top_k=k))
     return torch_api.unpermute_rows(y, slot_copy, x.shape[0] * k, top_k=k, probs=probs)
 
-
-xkern_path.layout = xkern_layout
 
 
 def torchtitan_path(x, probs, routing, run_experts):
@@ -254,6 +252,7 @@ def skip_reason(name: str, device: str, whole: bool) -> str | None:
 
 TORCH_PATHS = {"xkern": xkern_path, "torchtitan": torchtitan_path, "plain": plain_path, "liger": liger_path,
                "transformer_engine": transformer_engine_path}
+LAYOUTS = {xkern_path: xkern_layout}  # the paths that make their own layout from the ids (the others: `layout`)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,12 +281,12 @@ def torch_step(path, inp: dict, top_k: int, num_experts: int, whole: bool):
     if whole:
         params = [inp[n].detach().requires_grad_() for n in ("w_router", "w13", "w2")]
         probs, ids = route(x, params[0], top_k)
-        routing = (*getattr(path, "layout", layout)(ids, num_experts), ids)
+        routing = (*LAYOUTS.get(path, layout)(ids, num_experts), ids)
         out = path(x, probs, routing, Experts(params[1], params[2], routing[3]))
         return (out, *torch.autograd.grad(out, [x, *params], inp["dout"]))
     with torch.no_grad():
         probs, ids = route(inp["x"], inp["w_router"], top_k)
-        routing = (*getattr(path, "layout", layout)(ids, num_experts), ids)
+        routing = (*LAYOUTS.get(path, layout)(ids, num_experts), ids)
     probs = probs.requires_grad_()
     out = path(x, probs, routing, lambda xp: xp)
     return (out, *torch.autograd.grad(out, [x, probs], inp["dout"]))
