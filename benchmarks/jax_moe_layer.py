@@ -218,19 +218,25 @@ def tiled_gemm(rows_by_ragged_dot: bool = False):
 
 # jax's Mosaic GPU kernels for Hopper (jax.experimental.pallas.ops.gpu): `ragged_dot` (TMA loads, wgmma, a
 # persistent grid over the SMs) and `transposed_ragged_dot` (the ragged dimension contracted: the weight
-# gradient). Blocks: 128 x 128 output tiles, 64-deep K steps, 4 in flight.
-MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+# gradient). Blocks per form (the forward, dx, and the weight gradient dw): 128 x 128 output tiles, 64-deep K
+# steps, 4 in flight, unless `--mgpu-blocks` says otherwise (`tools.mgpu_probe` times candidates).
+MGPU_FORMS = ("forward", "dx", "dw")
+MGPU_BLOCK = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+MGPU_BLOCKS = {form: dict(MGPU_BLOCK) for form in MGPU_FORMS}
 
 
 def mgpu_blocks(text: str) -> dict:
-    """`--mgpu-blocks`: "block_n=256,grid_block_n=2" -> {"block_n": 256, "grid_block_n": 2}, keys of MGPU_BLOCKS."""
-    blocks = {}
+    """`--mgpu-blocks`: "block_n=256,dw.block_k=128" -> {"forward": {"block_n": 256}, "dx": {"block_n": 256}, "dw":
+    {"block_n": 256, "block_k": 128}}: a key of MGPU_BLOCK for every form, or FORM.KEY for one of MGPU_FORMS."""
+    blocks = {form: {} for form in MGPU_FORMS}
     for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in MGPU_BLOCKS or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"expected KEY=N with N >= 1 and KEY one of {', '.join(MGPU_BLOCKS)}, "
-                                              f"got {item!r}")
-        blocks[key] = int(value)
+        name, _, value = item.partition("=")
+        form, _, key = name.rpartition(".")
+        if key not in MGPU_BLOCK or form not in ("", *MGPU_FORMS) or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected [FORM.]KEY=N with N >= 1, FORM one of {', '.join(MGPU_FORMS)} "
+                                              f"and KEY one of {', '.join(MGPU_BLOCK)}, got {item!r}")
+        for f in (form,) if form else MGPU_FORMS:
+            blocks[f][key] = int(value)
     return blocks
 
 
@@ -256,11 +262,11 @@ def mgpu_gemm():
     def rows_gemm(x, w, group_sizes, transposed):
         if transposed and not takes_transpose:  # older kernels: a transposed copy of the weights
             w, transposed = w.swapaxes(1, 2), False
-        return rows_kernel(x, w, group_sizes=group_sizes, **MGPU_BLOCKS,
+        return rows_kernel(x, w, group_sizes=group_sizes, **MGPU_BLOCKS["dx" if transposed else "forward"],
                            **({"transpose_rhs": True} if transposed else {}))
 
     def weight_grad(x, dy, group_sizes):  # x: [rows, K] is the kernel's (K-contracted, M) operand as it lies
-        return weight_kernel(x, dy, group_sizes=group_sizes, **MGPU_BLOCKS)
+        return weight_kernel(x, dy, group_sizes=group_sizes, **MGPU_BLOCKS["dw"])
 
     return grouped_gemm(rows_gemm, weight_grad)
 
@@ -701,9 +707,10 @@ def main(argv=None) -> int:
     parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
                         "shared by both paths (default auto, on a GPU: jax's Mosaic GPU kernels, else its Pallas "
                         "lowering of ragged_dot, else the tiled loop, the first this jax has; ragged_dot on a CPU)")
-    parser.add_argument("--mgpu-blocks", type=mgpu_blocks, default={}, metavar="KEY=N,...",
-                        help="with --experts-gemm mgpu: its tiles in place of MGPU_BLOCKS' (block_m, block_n, "
-                        "block_k, max_concurrent_steps, grid_block_n), e.g. block_n=256,grid_block_n=2")
+    parser.add_argument("--mgpu-blocks", type=mgpu_blocks, default={}, metavar="[FORM.]KEY=N,...",
+                        help="with --experts-gemm mgpu: its tiles in place of MGPU_BLOCK's (block_m, block_n, "
+                        "block_k, max_concurrent_steps, grid_block_n), for every form or one (forward, dx, dw), "
+                        "e.g. block_n=256,dw.grid_block_n=2; tools.mgpu_probe prints the fastest it timed")
     parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
                         "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)
@@ -724,7 +731,8 @@ def main(argv=None) -> int:
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     experts_gemm = use_expert_gemm(args.experts_gemm)
-    MGPU_BLOCKS.update(args.mgpu_blocks)
+    for form, blocks in args.mgpu_blocks.items():
+        MGPU_BLOCKS[form].update(blocks)
     device = jax.devices()[0].device_kind if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
@@ -738,7 +746,7 @@ def main(argv=None) -> int:
                 "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
                 "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm,
                 "experts_gemm_name": EXPERT_GEMM_NAMES[experts_gemm], "jax": jax.__version__,
-                **({"mgpu_blocks": dict(MGPU_BLOCKS)} if experts_gemm == "mgpu" else {}),
+                **({"mgpu_blocks": {f: dict(b) for f, b in MGPU_BLOCKS.items()}} if experts_gemm == "mgpu" else {}),
                 "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm), final)
 
     rows = []

@@ -6,10 +6,12 @@
 #   bash scripts/gpu_moe.sh OUTDIR [qwen3-moe|deepseek-v3]
 # Limits (s): TORCH_TIMEOUT 320, JAX_TIMEOUT 300, HF_TIMEOUT 150 (Qwen3-MoE on an H100: ~7 min in all).
 # PARTS (default "torch jax hf") picks the steps; TORCH_ARGS goes to benchmarks.moe_layer (`--parts layer
-# --paths liger`: some rows of the results file in OUTDIR/<kind>/, the others kept). At the DeepSeek-V3 size one
-# path's layer row takes about 2 minutes on an H100 and Liger's first (its autotuner) more than 4, so where a run
-# has a time limit that size goes in pieces (docs/benchmarks.md, the MoE layer step), then PARTS=jax (which reads
-# the torch JSON). Autotuning results are cached (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
+# --paths liger`: some rows of the results file in OUTDIR/<kind>/, the others kept), JAX_ARGS to
+# benchmarks.jax_moe_layer (`--mgpu-blocks $(cat DIR/mgpu-blocks-qwen3-moe.txt)`: tools.mgpu_probe's choice).
+# At the DeepSeek-V3 size one path's layer row takes about 2 minutes on an H100 and Liger's first (its
+# autotuner) more than 4, so where a run has a time limit that size goes in pieces (docs/benchmarks.md, the MoE
+# layer step), then PARTS=jax (which reads the torch JSON). Autotuning results are cached
+# (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
 set -u
 OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
@@ -37,8 +39,9 @@ fi
 # tiles (XLA's own ragged_dot expands the weight gradient per expert: 197 GiB for the Qwen3-MoE step).
 if [[ $PARTS == *" jax "* ]]; then
   for GEMM in mgpu tiled; do
+    # shellcheck disable=SC2086 # JAX_ARGS: words for the command line
     timeout "${JAX_TIMEOUT:-300}" "$PY" -m benchmarks.jax_moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
-      --experts-gemm "$GEMM" --xla-flags "$FLAGS" > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
+      --experts-gemm "$GEMM" --xla-flags "$FLAGS" ${JAX_ARGS:-} > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
     echo "jax_moe_layer --experts-gemm $GEMM rc=$?"; grep -E "^$SIZE" "$OUT_KIND/jax-moe-layer-$SIZE.log"
     grep -q "xkern layer.*\[ok\]" "$OUT_KIND/jax-moe-layer-$SIZE.log" && break
   done

@@ -491,13 +491,15 @@ def test_moe_layer_rows_check_every_path(tmp_path):
 
 
 def test_mgpu_blocks_argument():
-    """`--mgpu-blocks` takes MGPU_BLOCKS' keys with positive ints, and names what it expected otherwise."""
+    """`--mgpu-blocks` takes MGPU_BLOCK's keys with positive ints, for every form or one, and names what it
+    expected otherwise."""
     from benchmarks import jax_moe_layer as J
 
-    assert J.mgpu_blocks("block_n=256,grid_block_n=2") == {"block_n": 256, "grid_block_n": 2}
-    assert J.mgpu_blocks("") == {}
-    for bad in ("block_x=1", "block_n=0", "block_n=big", "block_n"):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=N"):
+    assert J.mgpu_blocks("block_n=256,dw.grid_block_n=2,dx.block_k=128") == {
+        "forward": {"block_n": 256}, "dx": {"block_n": 256, "block_k": 128}, "dw": {"block_n": 256, "grid_block_n": 2}}
+    assert J.mgpu_blocks("") == {"forward": {}, "dx": {}, "dw": {}}
+    for bad in ("block_x=1", "block_n=0", "block_n=big", "block_n", "up.block_n=64", "dw.=4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected \[FORM.\]KEY=N"):
             J.mgpu_blocks(bad)
 
 
@@ -669,7 +671,7 @@ def test_jax_moe_mgpu_gemm_is_ragged_dot(monkeypatch):
     if real is not None:  # this jax's kernels take the arguments as the stand-ins do
         for kernel in real:
             z = jnp.zeros((2, 2))
-            inspect.signature(kernel).bind(z, z, group_sizes=z, **jax_moe_layer.MGPU_BLOCKS)
+            inspect.signature(kernel).bind(z, z, group_sizes=z, **jax_moe_layer.MGPU_BLOCK)
     monkeypatch.setattr(jax_moe_layer, "mgpu_kernels", lambda: (rows_kernel, weight_kernel))
     gemm = jax_moe_layer.mgpu_gemm()
     rng = np.random.default_rng(6)
