@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute"]
+OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute", "xkern.grouped_mm"]
 TARGET = GPUTarget("cuda", 90, 32)
 
 

@@ -193,7 +193,7 @@ def _default_fp_env() -> None:
 
 
 def patch_interpreter() -> None:
-    """Three fixes to Triton 3.6's interpreter (CPU runs of the kernels):
+    """Four fixes to Triton 3.6's interpreter (CPU runs of the kernels):
 
     - fp32 -> bf16 casts round to nearest even, as the GPU does (`cast_impl` ignores the rounding mode and
       truncates, which moves bf16 results by up to an ULP away from the GPU's).
@@ -201,7 +201,9 @@ def patch_interpreter() -> None:
       subnormal's significand with the wrong exponent: 126 of the 127 positive bf16 subnormals came out
       wrong, some as 0). Every bf16 is an fp32 with 16 more zero bits, which is what ml_dtypes computes.
     - a scalar used as a loop bound converts with numpy >= 2.4 too (`int()` of a 1-element array, which
-      numpy 2.4 refuses; the GPU image has it)."""
+      numpy 2.4 refuses; the GPU image has it).
+    - `tl.dot` on bf16 operands multiplies their values (`create_dot` multiplied the uint16 bit patterns the
+      interpreter holds bf16 in): each operand widened to fp32 exactly, as the GPU's tensor cores read it."""
     import ml_dtypes
     import numpy as np
     import triton.language as tl
@@ -227,7 +229,15 @@ def patch_interpreter() -> None:
         patch_lang_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
+    create_dot = builder.create_dot
+
+    def bf16_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (interpreter.TensorHandle(t.data.view(ml_dtypes.bfloat16).astype(np.float32), tl.float32)
+                if t.dtype.scalar == tl.bfloat16 else t for t in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
     builder.cast_impl = rounding_cast
+    builder.create_dot = bf16_dot
     interpreter._patch_lang_tensor = patch_with_index
     builder._xkern_patched = True
 

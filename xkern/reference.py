@@ -312,3 +312,35 @@ def combine_tolerance(terms_abs: np.ndarray, n_terms: int, dtype) -> np.ndarray:
                                                         else "bfloat16"]
     tiny = float(np.finfo(np.float32).tiny) if mant == 24 else 2.0**-24
     return (n_terms + 1) * 2.0**-24 * terms_abs + 2.0 ** (1 - mant) * terms_abs + tiny
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grouped GEMM over the padded expert-major layout (xkern/grouped_mm.py), in float64.
+
+
+def _expert_blocks(m_offsets, n_slots: int):
+    """(expert, start, end) of each expert's rows: slots [m_offsets[e-1], m_offsets[e])."""
+    ends = [int(v) for v in np.asarray(m_offsets).reshape(-1)]
+    return [(e, ends[e - 1] if e else 0, end) for e, end in enumerate(ends)]
+
+
+def grouped_mm(x, w, m_offsets) -> np.ndarray:
+    """y[r] = x[r] @ w[e] for the rows of expert e, zero rows past m_offsets[-1]: [S, N] in float64. The kernel
+    sums in FP32 and rounds once: compare with `combine_tolerance`, this oracle on |x| and |w| giving the
+    terms' magnitudes."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    y = np.zeros((x64.shape[0], w64.shape[2]))
+    for e, start, end in _expert_blocks(m_offsets, x64.shape[0]):
+        y[start:end] = x64[start:end] @ w64[e]
+    return y
+
+
+def grouped_mm_bwd(x, w, dy, m_offsets) -> tuple[np.ndarray, np.ndarray]:
+    """(dx, dw) in float64: dx[r] = dy[r] @ w[e].T (zero rows past the last offset), dw[e] = x_e.T @ dy_e (zeros
+    for an expert without rows)."""
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    dx, dw = np.zeros(x64.shape), np.zeros(w64.shape)
+    for e, start, end in _expert_blocks(m_offsets, x64.shape[0]):
+        dx[start:end] = dy64[start:end] @ w64[e].T
+        dw[e] = x64[start:end].T @ dy64[start:end]
+    return dx, dw
