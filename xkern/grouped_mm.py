@@ -286,6 +286,31 @@ def check_grouped_mm(x_dtype: str, x_shape: tuple[int, ...], w_dtype: str, w_sha
     return n_slots, n_inner, n_cols, n_experts
 
 
+def check_grouped_mm_dx(dy_dtype: str, dy_shape: tuple[int, ...], w_dtype: str, w_shape: tuple[int, ...],
+                        offs_dtype: str, offs_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The x gradient's arguments: dy [S, N], w [E, K, N] (the forward's), m_offsets [E]. Returns (S, K, N, E)."""
+    if len(dy_shape) != 2:
+        raise ValueError(f"dy must be 2-D [slots, N], got shape {list(dy_shape)}")
+    if len(w_shape) == 3 and w_shape[2] != dy_shape[1]:
+        raise ValueError(f"w must be [experts, K, N] with N = dy.shape[1] = {dy_shape[1]}, got shape {list(w_shape)}")
+    w_t = tuple(w_shape) if len(w_shape) != 3 else (w_shape[0], w_shape[2], w_shape[1])
+    n_slots, n_cols, n_inner, n_experts = check_grouped_mm(dy_dtype, dy_shape, w_dtype, w_t, offs_dtype, offs_shape)
+    return n_slots, n_inner, n_cols, n_experts
+
+
+def check_grouped_mm_dw(x_dtype: str, x_shape: tuple[int, ...], dy_dtype: str, dy_shape: tuple[int, ...],
+                        offs_dtype: str, offs_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The w gradient's arguments: x [S, K], dy [S, N] of x's dtype, m_offsets [E]. Returns (S, K, N, E)."""
+    if len(dy_shape) != 2 or len(x_shape) == 2 and dy_shape[0] != x_shape[0]:
+        raise ValueError(f"dy must be 2-D [slots, N] with x's {x_shape[0] if x_shape else 0} slots, got shape "
+                         f"{list(dy_shape)}")
+    if dy_dtype != x_dtype:
+        raise TypeError(f"dy must have x's dtype {x_dtype}, got {dy_dtype}")
+    n_experts = offs_shape[0] if len(offs_shape) == 1 else 1
+    w_shape = (n_experts, x_shape[1] if len(x_shape) == 2 else 0, dy_shape[1])
+    return check_grouped_mm(x_dtype, x_shape, dy_dtype, w_shape, offs_dtype, offs_shape)
+
+
 def check_offsets(offsets: np.ndarray, n_slots: int) -> None:
     """validate=True: m_offsets non-decreasing, in [0, n_slots] (one host sync)."""
     ends = np.asarray(offsets).astype(np.int64).reshape(-1)
