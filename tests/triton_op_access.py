@@ -14,7 +14,7 @@ import triton
 from torch._higher_order_ops import triton_kernel_wrap
 from triton.backends.compiler import GPUTarget
 
-from xkern import add_rms_norm, permute, rms_norm
+from xkern import add_rms_norm, grouped_mm, permute, rms_norm
 from xkern.compile_check import TARGET
 
 DTYPES = {"*bf16": torch.bfloat16, "*fp16": torch.float16, "*fp32": torch.float32, "*i32": torch.int32,
@@ -33,7 +33,7 @@ def main() -> int:
     analyze = getattr(triton_kernel_wrap, "identify_accessed_tensors", None) or \
         triton_kernel_wrap.identify_mutated_tensors
     checked, bad = set(), 0
-    for module in (rms_norm, add_rms_norm, permute):
+    for module in (rms_norm, add_rms_norm, permute, grouped_mm):
         for launch, pointer_types in module.compile_variants():
             params = list(inspect.signature(launch.kernel.fn).parameters)
             kwargs, outputs, seen_scalar = {}, [], False
