@@ -1,0 +1,62 @@
+"""GPU-only: `grouped_mm` at the Qwen3-MoE step's up projection (benchmarks/moe_layer.py's qwen3-moe size: 16384
+tokens routed top-8 over 128 experts by its router, the padded layout of 131072 + 128 * 16 slots, K 2048, N
+1536, bf16) against torch._grouped_mm (CUTLASS: the same cumulative-end offsets) for the forward, dx and dw, and
+xkern's results the same bits run to run. Skipped without CUDA (the interpreter would take hours).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_api
+from benchmarks import moe_layer
+from xkern import reference as R
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"),
+                                reason="needs a CUDA GPU and torch._grouped_mm")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, n_terms: int, what: str) -> None:
+    """Both sum in FP32 (in other orders) and round once to bf16: each within `combine_tolerance` of the truth,
+    so within twice it of each other (`mag`: the sum of the terms' magnitudes, from |operands|)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    got, want, mag = got.double(), want.double(), mag.double()
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    err, tol = (got - want).abs(), 2 * R.combine_tolerance(mag, n_terms, "bfloat16")
+    bad = int((err > tol).sum())
+    assert bad == 0, f"{what}: {bad} elements past tolerance, max err {float(err.max())}"
+
+
+def test_qwen3_moe_up_projection_against_torch_grouped_mm():
+    size = moe_layer.SIZES["qwen3-moe"]
+    inp = moe_layer.torch_inputs(size, "cuda")
+    with torch.no_grad():
+        _, ids = moe_layer.route(inp["x"], inp["w_router"], size["top_k"])
+        slot_copy, _, _, offs = moe_layer.xkern_layout(ids, size["experts"])
+        xp = torch_api.permute_rows(inp["x"], slot_copy, top_k=size["top_k"])
+    w = inp["w13"].transpose(-2, -1)  # [E, H, 2I], as the benchmark's experts read it
+    n_slots, k, n = xp.shape[0], w.shape[1], w.shape[2]
+    assert n_slots == size["tokens"] * size["top_k"] + size["experts"] * moe_layer.ALIGN
+    last = int(offs[-1])
+    dy = torch.randn(n_slots, n, generator=torch.Generator("cuda").manual_seed(1), device="cuda",
+                     dtype=torch.bfloat16)
+
+    x_leaf, w_leaf = xp.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y = torch_api.grouped_mm(x_leaf, w_leaf, offs)
+    dx, dw = torch.autograd.grad(y, (x_leaf, w_leaf), dy)
+    assert not torch.any(y[last:]) and not torch.any(dx[last:])
+
+    want_y = torch._grouped_mm(xp, w, offs=offs)
+    want_dx = torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
+    want_dw = torch._grouped_mm(xp.t(), dy, offs=offs)
+    ax, aw, ady = xp.abs(), w.abs(), dy.abs()
+    _close(y[:last], want_y[:last], torch._grouped_mm(ax, aw, offs=offs)[:last], k, "y")
+    _close(dx[:last], want_dx[:last], torch._grouped_mm(ady, aw.transpose(-2, -1), offs=offs)[:last], n, "dx")
+    rows = int(torch.diff(offs, prepend=offs.new_zeros(1)).max())  # the terms of dw: the largest expert's rows
+    _close(dw, want_dw, torch._grouped_mm(ax.t(), ady, offs=offs), rows, "dw")
+
+    again = torch_api.grouped_mm(x_leaf, w_leaf, offs)
+    dx2, dw2 = torch.autograd.grad(again, (x_leaf, w_leaf), dy)
+    for a, b in ((again, y), (dx2, dx), (dw2, dw)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "not the same bits run to run"
