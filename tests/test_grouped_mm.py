@@ -269,3 +269,15 @@ def test_layouts_property():
             _within(got, want, m, terms, "float32", what)
 
     check()
+
+
+def test_gemm_probe_smoke(tmp_path):
+    """tools/gemm_probe.py end to end at the smoke size: every GEMM timed, checked against torch, JSON written."""
+    import json
+
+    from tools import gemm_probe
+
+    assert gemm_probe.main(["--smoke", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "gemm-probe-smoke.json").read_text())
+    assert set(got["chosen"]["per_form"]) == {"forward", "dx", "dw"}
+    assert all(c["ok"] and c["bitwise_plan"] for r in got["results"].values() for c in r["candidates"].values())
