@@ -37,14 +37,7 @@ def _operands(key, n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtyp
 
 
 def _within(got, ref64, mag64, n_terms: int, dtype: str, what: str) -> None:
-    """`got` has `dtype`, is finite and within `combine_tolerance` of the float64 truth (mag64: the sum of the
-    terms' magnitudes, the same oracle on |operands|)."""
-    got = to_numpy(got)
-    assert got.shape == ref64.shape and got.dtype == R.np_dtype(dtype), what
-    got = got.astype(np.float64)
-    assert np.isfinite(got).all(), f"{what}: not finite (an element left unwritten?)"
-    err, tol = np.abs(got - ref64), R.combine_tolerance(mag64, n_terms, dtype)
-    assert (err <= tol).all(), f"{what}: max err {err.max()}, {int((err > tol).sum())} elements past tolerance"
+    R.check_sum(to_numpy(got), ref64, mag64, n_terms, dtype, what)
 
 
 def _oracle(x, w, dy, offs):

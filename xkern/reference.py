@@ -314,6 +314,18 @@ def combine_tolerance(terms_abs: np.ndarray, n_terms: int, dtype) -> np.ndarray:
     return (n_terms + 1) * 2.0**-24 * terms_abs + 2.0 ** (1 - mant) * terms_abs + tiny
 
 
+def check_sum(got: np.ndarray, ref64: np.ndarray, mag64: np.ndarray, n_terms: int, dtype, what: str) -> None:
+    """Assert `got` (numpy, of `dtype`) is finite and within `combine_tolerance(mag64, n_terms, dtype)` of the
+    float64 truth `ref64`: sums of up to `n_terms` products in FP32, rounded once (`mag64`: the sum of the terms'
+    magnitudes). A NaN (an element left unwritten in a poisoned output) fails."""
+    got = np.asarray(got)
+    assert got.shape == ref64.shape and got.dtype == np_dtype(dtype), f"{what}: {got.shape} {got.dtype}"
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"{what}: not finite (an element left unwritten?)"
+    err, tol = np.abs(got - ref64), combine_tolerance(mag64, n_terms, dtype)
+    assert (err <= tol).all(), f"{what}: max err {err.max()}, {int((err > tol).sum())} elements past tolerance"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Grouped GEMM over the padded expert-major layout (xkern/grouped_mm.py), in float64.
 
