@@ -25,6 +25,9 @@ dprobs takes one FP32 all-reduce of [T, top_k] over the slot and hidden axes (ea
 term; with H sharded, the devices' column sums). Results are bitwise one device's, but for dprobs with a
 sharded H (within the FP32 contract). The index ops read all-gathered indices or counts:
 inverse_permutation's rows split like its output's users, generate_permute_indices runs replicated.
+The grouped GEMM (grouped_mm) [S, K] x [E, K, N]: each device computes its rows (x's row sharding, the
+offsets counted from its first row) on its output columns (w's sharding of them); its weight gradient
+each device's (K, N) block over all the rows. A sharded contracted dim is all-gathered. Bitwise one device's.
 """
 
 from __future__ import annotations
@@ -302,6 +305,60 @@ def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ..
 
     return partitioned(body, partition, f"{', '.join(ins)} -> {', '.join(outs)}",
                        need_replication_factors=tuple(used))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The grouped GEMM
+
+
+@functools.cache
+def grouped_rows(body, transposed: bool):
+    """out = body(a, w, offs): the grouped GEMM's rows kernel, a [S, K] @ w[e] [K, N] -> [S, N] (transposed: a
+    [S, N] @ w[e].T -> [S, K], the x gradient), offs [E] the global cumulative ends of the experts' rows. Each
+    device computes its rows (a's row sharding) on its output columns (w's N, or transposed its K, sharding),
+    its offsets counted from its first row and clipped to its rows (`_local_offsets`): no communication but the
+    all-gather of a sharded contracted dim or expert dim. Bitwise one device's result."""
+    rule = "s n, e k n, e -> s k" if transposed else "s k, e k n, e -> s n"
+
+    def partition(mesh, arg_shapes, result_shape):
+        cols = dim_axes(arg_shapes[1])[1 if transposed else 2]
+        rows = _without(dim_axes(arg_shapes[0])[0], cols)
+        rows = rows if result_shape.shape[0] % _size(mesh, rows) == 0 else ()
+        local_rows = result_shape.shape[0] // _size(mesh, rows)
+
+        def fn(a, w, offs):
+            return body(a, w, _local_offsets(offs, rows, local_rows))
+
+        w_dims = [(), cols, ()] if transposed else [(), (), cols]
+        return (mesh, per_shard(fn), named_sharding(mesh, [rows, cols]),
+                (named_sharding(mesh, [rows, ()]), named_sharding(mesh, w_dims), named_sharding(mesh, [()])))
+
+    return partitioned(body, partition, rule, need_replication_factors=("n" if transposed else "k", "e"))
+
+
+@functools.cache
+def grouped_dw(body):
+    """dw = body(x, dy, offs): dw[e] = x_e.T @ dy_e, [E, K, N]. Each device computes its (K, N) block of every
+    expert (x's column sharding, dy's column sharding) over all the rows: sharded rows are all-gathered, so each
+    element is still one program's FP32 sum in one order (bitwise one device's)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        k = dim_axes(arg_shapes[0])[1]
+        n = _without(dim_axes(arg_shapes[1])[1], k)
+        return (mesh, per_shard(body), named_sharding(mesh, [(), k, n]),
+                (named_sharding(mesh, [(), k]), named_sharding(mesh, [(), n]), named_sharding(mesh, [()])))
+
+    return partitioned(body, partition, "s k, s n, e -> e k n", need_replication_factors=("s", "e"))
+
+
+def _local_offsets(offs, axes, local_rows: int):
+    """Global cumulative ends counted from this device's first row, clipped to [0, local_rows]: an expert before
+    the device's rows ends at 0, one after them at local_rows, so the kernel's blocks are the device's part of
+    each expert and its rows past the last offset stay the zero tail."""
+    if not axes:
+        return offs
+    first = (jax.lax.axis_index(axes) * local_rows).astype(offs.dtype)
+    return jnp.clip(offs - first, 0, local_rows)
 
 
 def _without(axes, taken) -> tuple[str, ...]:

@@ -47,10 +47,17 @@ MOE_CASES = {
     "moe tokens over 2 axes": ("2d", (("data", "model"), None), (("data", "model"),), (("data", "model"), None)),
 }
 MOE_CHECKS = ["dispatch", "combine", "copy sum", "grads"]
+# grouped_mm cases: (mesh, x's spec over [slots 32, K 16], w's spec over [experts 3, K 16, N 24])
+GEMM_CASES = {
+    "gemm rows 1d": ("1d", ("d", None), (None, None, None)),
+    "gemm columns 1d": ("1d", (None, None), (None, None, "d")),
+    "gemm rows and columns 2d": ("2d", ("data", None), (None, None, "model")),
+    "gemm contracted 1d": ("1d", (None, "d"), (None, "d", None)),
+}
 CHECKS = ["fwd", "grad", "vmap", "remat"]
 CASES = [f"{c}: {k}" for c in NORM_CASES for k in CHECKS] + list(GATHER_CASES) + [
     f"{c}: {k}" for c in MOE_CASES for k in MOE_CHECKS] + [
-    "variants", "index ops", "readme step", "add rows", "add width 1d", "add rows and width 2d"]
+    "variants", "index ops", "readme step", "add rows", "add width 1d", "add rows and width 2d"] + list(GEMM_CASES)
 
 
 @functools.cache
@@ -479,6 +486,43 @@ def _check_all(n_devices: int) -> dict:
 
     case("add width 1d", lambda: add_width(meshes["1d"], (None, None, "d")))
     case("add rows and width 2d", lambda: add_width(meshes["2d"], (None, "data", "model")))
+
+    def gemm_case(mesh_name, x_spec, w_spec):
+        """grouped_mm forward and both gradients: no value on one device, y sharded like x's rows and w's columns,
+        the forward free of collectives where K is whole, results bitwise one device's."""
+        mesh = meshes[mesh_name]
+        sizes = [9, 0, 14]  # an empty expert; slots 23..31 the zero tail
+        offs0 = np.cumsum(sizes).astype(np.int32)
+        x0, dy0 = rng.standard_normal((32, 16)).astype(R.BF16), rng.standard_normal((32, 24)).astype(R.BF16)
+        w0 = (rng.standard_normal((3, 16, 24)) / 4).astype(R.BF16)
+        x_sh, w_sh = NamedSharding(mesh, P(*x_spec)), NamedSharding(mesh, P(*w_spec))
+        y_sh = NamedSharding(mesh, P(x_spec[0], w_spec[2]))
+        rep = NamedSharding(mesh, P())
+
+        def step(x, w, offs, dy):
+            y, vjp = jax.vjp(lambda x, w: jax_api.grouped_mm(x, w, offs), x, w)
+            return (y, *vjp(dy))
+
+        fwd = jax.jit(lambda x, w, offs: jax_api.grouped_mm(x, w, offs))
+        f = jax.jit(step)
+        args = (jax.device_put(x0, x_sh), jax.device_put(w0, w_sh), jax.device_put(offs0, rep),
+                jax.device_put(dy0, y_sh))
+        got, one = f(*args), f(*(jnp.asarray(a) for a in (x0, w0, offs0, dy0)))
+        for name, a, b in zip(("y", "dx", "dw"), got, one):
+            same(a, b, name)
+        y = fwd(*args[:3])
+        same(y, one[0], "y (forward alone)")
+        sharded_like(y, y_sh, "y")
+        if x_spec[1] is None:  # K whole: each device its rows on its columns, nothing moved
+            assert not collectives(fwd, *args[:3]), "collectives in the forward"
+        else:
+            collectives(fwd, *args[:3])  # only the maximal check: the sharded K is gathered
+        collectives(f, *args)
+        ry = R.grouped_mm(x0, w0, offs0)
+        assert np.allclose(np.asarray(y).astype(np.float64), ry, rtol=1e-2, atol=1e-2 * np.abs(ry).max()), "y"
+
+    for name, (mesh_name, x_spec, w_spec) in GEMM_CASES.items():
+        case(name, functools.partial(gemm_case, mesh_name, x_spec, w_spec))
     return report
 
 

@@ -1,0 +1,107 @@
+"""The experts' grouped GEMM over the padded expert-major layout in JAX: `grouped_mm`, under jit, grad of any
+order, vmap and sharded jit. Contract and kernels: `xkern/grouped_mm.py`.
+
+Three custom_vjp functions whose backward passes are each other: the forward F(x, w) = x_e @ w_e, the x
+gradient DX(g, w) = g_e @ w_e.T (the forward's kernel reading w transposed) and the weight gradient DW(a, b)[e]
+= a_e.T @ b_e. F's cotangents are DX(g, w) and DW(x, g); DX's are F(h, w) and DW(h, g); DW's are DX(b, H) and
+F(a, H). The offsets are an integer input: their cotangent is None (symbolic zero).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jax_api import sharding
+from jax_api._launch import check_array, execute, map_batched, vary_like
+from xkern import grouped_mm as contract
+
+
+def _rows_kernel(a, w, offs):
+    (n_slots, n_inner), (n_experts, _, n_cols) = a.shape, w.shape
+    strides = (n_inner * n_cols, n_cols, 1)
+    recipe = contract.grouped_mm_recipe(n_slots, n_inner, n_cols, n_experts, a.dtype.name, n_inner, strides)
+    return execute(recipe, x=a, w=w, offs=offs)[0]
+
+
+def _dx_kernel(g, w, offs):
+    (n_slots, n_cols), (n_experts, n_inner, _) = g.shape, w.shape
+    strides = (n_inner * n_cols, n_cols, 1)
+    recipe = contract.grouped_mm_dx_recipe(n_slots, n_inner, n_cols, n_experts, g.dtype.name, n_cols, strides)
+    return execute(recipe, dy=g, w=w, offs=offs)[0]
+
+
+def _dw_kernel(a, b, offs):
+    (n_slots, n_inner), n_cols = a.shape, b.shape[1]
+    recipe = contract.grouped_mm_dw_recipe(n_slots, n_inner, n_cols, offs.shape[0], a.dtype.name, n_inner, n_cols)
+    return execute(recipe, x=a, dy=b, offs=offs)[0]
+
+
+@functools.cache
+def _op(form: str):
+    """The kernel call of one form ("fwd", "dx", "dw"), partitioned under sharded jit; under vmap one call per
+    example (the experts' blocks are per example)."""
+    kernel = (sharding.grouped_dw(_dw_kernel) if form == "dw" else
+              sharding.grouped_rows(_dx_kernel if form == "dx" else _rows_kernel, form == "dx"))
+
+    @jax.custom_batching.custom_vmap
+    def op(a, b, offs):
+        return kernel(a, b, offs)
+
+    op.def_vmap(lambda axis_size, in_batched, *args: (map_batched(op, axis_size, in_batched, *args), True))
+    return op
+
+
+@jax.custom_vjp
+def _fwd(x, w, offs):
+    return vary_like(_op("fwd")(x, w, offs), x)
+
+
+@jax.custom_vjp
+def _dx(g, w, offs):
+    return vary_like(_op("dx")(g, w, offs), g)
+
+
+@jax.custom_vjp
+def _dw(a, b, offs):
+    return vary_like(_op("dw")(a, b, offs), a)
+
+
+_fwd.defvjp(lambda x, w, offs: (_fwd(x, w, offs), (x, w, offs)),
+            lambda res, g: (_dx(g, res[1], res[2]), _dw(res[0], g, res[2]), None))
+_dx.defvjp(lambda g, w, offs: (_dx(g, w, offs), (g, w, offs)),
+           lambda res, h: (_fwd(h, res[1], res[2]), _dw(h, res[0], res[2]), None))
+_dw.defvjp(lambda a, b, offs: (_dw(a, b, offs), (a, b, offs)),
+           lambda res, big_h: (_dx(res[1], big_h, res[2]), _fwd(res[0], big_h, res[2]), None))
+
+
+def _host(name: str, a) -> np.ndarray:
+    """validate=True reads the offsets on the host: they must be concrete (not traced under jit)."""
+    try:
+        return np.asarray(a)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"validate=True needs a concrete {name} (call it outside jit)") from None
+
+
+def grouped_mm(x, w, m_offsets, validate: bool = False):
+    """The experts' GEMMs over the padded expert-major layout: y [S, N] in x's dtype, `y[r] = x[r] @ w[e]` for
+    the rows of expert e (slots m_offsets[e-1] to m_offsets[e], from 0 for e = 0), zero rows from
+    m_offsets[-1] on. FP32 accumulation, rounded once; fp32 inputs multiply in IEEE FP32 (no TF32). The same
+    kernels and bits as `torch_api.grouped_mm`.
+
+    x: [S, K] float16/bfloat16/float32. w: [E, K, N] of x's dtype (jax.lax.ragged_dot's layout). m_offsets: [E]
+    int32, the cumulative ends of the experts' blocks (the cumsum of ragged_dot's group sizes; the m_offsets of
+    `topk_permute_indices` and `generate_permute_indices`), non-decreasing and at most S: `validate=True`
+    (concrete offsets) checks that; unchecked offsets are clamped to [0, S]. Differentiable in x and w, to any
+    order: dx[r] = dy[r] @ w[e].T (zero rows past the last offset), dw[e] = x_e.T @ dy_e (zeros for an expert
+    without rows), each summed in FP32 by one program (the same bits run to run). Sharded jit: each device
+    computes its rows on its columns of the output (docs/sharding.md)."""
+    for name, a in (("x", x), ("w", w), ("m_offsets", m_offsets)):
+        check_array(name, a)
+    contract.check_grouped_mm(x.dtype.name, tuple(x.shape), w.dtype.name, tuple(w.shape), m_offsets.dtype.name,
+                              tuple(m_offsets.shape))
+    if validate:
+        contract.check_offsets(_host("m_offsets", m_offsets), x.shape[0])
+    return _fwd(x, w, m_offsets)
