@@ -291,8 +291,19 @@ def use_expert_gemm(name: str):
     return name
 
 
-EXPERT_GEMMS = ("auto", "ragged_dot", "mgpu", "pallas", "tiled", "tiled-dw")
+def xkern_gemm(x, w, group_sizes):
+    """xkern's grouped GEMM (`jax_api.grouped_mm`, the Triton kernels torch_api.grouped_mm runs) on the groups'
+    cumulative ends; rows past the last group come back zero, as from `ragged_dot`."""
+    import jax.numpy as jnp
+
+    import jax_api
+
+    return jax_api.grouped_mm(x, w, jnp.cumsum(group_sizes).astype(jnp.int32))
+
+
+EXPERT_GEMMS = ("auto", "ragged_dot", "mgpu", "xkern", "pallas", "tiled", "tiled-dw")
 EXPERT_GEMM_NAMES = {"ragged_dot": "`jax.lax.ragged_dot` (XLA's lowering)",
+                     "xkern": "xkern's grouped GEMM (`jax_api.grouped_mm`, Triton)",
                      "mgpu": "jax's Mosaic GPU ragged_dot and transposed_ragged_dot kernels (Hopper)",
                      "pallas": "`jax.lax.ragged_dot` through jax's Pallas Triton lowering",
                      "tiled": f"a loop of dense GEMMs over {TILE_ROWS}-row tiles",
@@ -370,7 +381,7 @@ class Experts:
 
             return jax.lax.optimization_barrier(rows)
         gemm = (tiled_gemm(EXPERT_GEMM == "tiled-dw") if EXPERT_GEMM.startswith("tiled") else
-                mgpu_gemm() if EXPERT_GEMM == "mgpu" else None)
+                mgpu_gemm() if EXPERT_GEMM == "mgpu" else xkern_gemm if EXPERT_GEMM == "xkern" else None)
         return swiglu_experts(rows, self.w13, self.w2, group_sizes, gemm)
 
 

@@ -552,7 +552,7 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
 
 
-@pytest.mark.parametrize("rows_by_ragged_dot", [False, True])
+@pytest.mark.parametrize("rows_by_ragged_dot", [False, True, "xkern"])
 def test_jax_moe_tiled_gemm_is_ragged_dot(rows_by_ragged_dot):
     """The JAX MoE benchmark's tiled grouped GEMM (its experts where XLA's ragged_dot would expand to a dense
     GEMM per expert) gives ragged_dot's result and gradients: groups empty, smaller than a tile, several tiles
@@ -564,7 +564,8 @@ def test_jax_moe_tiled_gemm_is_ragged_dot(rows_by_ragged_dot):
     from benchmarks import jax_moe_layer
 
     rng = np.random.default_rng(5)
-    gemm = jax_moe_layer.tiled_gemm(rows_by_ragged_dot)
+    # "xkern": the benchmark's `--experts-gemm xkern` (jax_api.grouped_mm on the groups' cumulative ends)
+    gemm = jax_moe_layer.xkern_gemm if rows_by_ragged_dot == "xkern" else jax_moe_layer.tiled_gemm(rows_by_ragged_dot)
     for sizes in ([5, 0, 17, 3, 0, 40], [0, 0, 64], [64, 0, 0]):
         gs = jnp.asarray(sizes, jnp.int32)
         rows = sum(sizes) + 7
