@@ -186,10 +186,12 @@ class GemmTile(NamedTuple):
     group_m: int = 8
 
 
-# 16-bit: 128 x 128 tiles, 64 deep, 8 warps (two warpgroups of wgmma on sm_90), 3 stages in flight (96 KiB of
-# shared memory). fp32 (IEEE FMAs, no tensor cores): 64 x 64 x 32 on 4 warps.
-ROWS_TILES = {2: GemmTile(128, 128, 64, 8, 3), 4: GemmTile(64, 64, 32, 4, 2)}
-DW_TILES = {2: GemmTile(128, 128, 64, 8, 3), 4: GemmTile(64, 64, 32, 4, 2)}
+# 16-bit: 128 x 256 tiles, 64 deep, 8 warps (two warpgroups of wgmma on sm_90); the rows kernel 4 stages in
+# flight (192 KiB of shared memory), dw 3. At the Qwen3-MoE step's six GEMMs (tools.gemm_probe, H100,
+# 2026-12-06) they ran 513-544 TFLOP/s where 128 x 128 x 64 on 3 stages ran 469-480; torch._grouped_mm
+# (CUTLASS) 573-579 on the dw forms. fp32 (IEEE FMAs, no tensor cores): 64 x 64 x 32 on 4 warps.
+ROWS_TILES = {2: GemmTile(128, 256, 64, 8, 4), 4: GemmTile(64, 64, 32, 4, 2)}
+DW_TILES = {2: GemmTile(128, 256, 64, 8, 3), 4: GemmTile(64, 64, 32, 4, 2)}
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
 MIN_BLOCK_E = 256        # experts' vector length at least this: one binary for up to 256 experts
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
