@@ -208,11 +208,14 @@ def test_bad_arguments_raise_clear_errors():
          lambda: torch_api.grouped_mm(x, w, torch.tensor([1, 2, 3], dtype=torch.int32))),
         (TypeError, "m_offsets must be a torch.Tensor", lambda: torch_api.grouped_mm(x, w, [3, 8])),
         (ValueError, "m_offsets must be non-decreasing",
-         lambda: torch_api.grouped_mm(x, w, torch.tensor([5, 3], dtype=torch.int32), validate=True)),
+         lambda: torch_api.grouped_mm(x, w, torch.tensor([5, 3], dtype=torch.int32, device=DEVICE),
+                                            validate=True)),
         (ValueError, r"m_offsets\[-1\] = 9 is past x's 8 rows",
-         lambda: torch_api.grouped_mm(x, w, torch.tensor([5, 9], dtype=torch.int32), validate=True)),
+         lambda: torch_api.grouped_mm(x, w, torch.tensor([5, 9], dtype=torch.int32, device=DEVICE),
+                                            validate=True)),
         (ValueError, r"m_offsets\[0\] = -1 is negative",
-         lambda: torch_api.grouped_mm(x, w, torch.tensor([-1, 3], dtype=torch.int32), validate=True)),
+         lambda: torch_api.grouped_mm(x, w, torch.tensor([-1, 3], dtype=torch.int32, device=DEVICE),
+                                            validate=True)),
         (ValueError, "w must be on", lambda: torch_api.grouped_mm(x, w.to("meta"), offs)),
     ]
     for exc, message, fn in calls:
