@@ -87,8 +87,9 @@ README_HOST_CALLS = {("rms_norm", "fwd"), ("rms_norm", "fwd+bwd"), ("add_rms_nor
                      ("unpermute_rows(top_k, probs)", "fwd")}
 
 
-def _host(results) -> list[str]:
-    """xkern's eager call beside torch's own op (F.rms_norm) and the fastest other peer, µs per call."""
+def _host(results, commit: str | None = None) -> list[str]:
+    """xkern's eager call beside torch's own op (F.rms_norm) and the fastest other peer, µs per call (`commit`: the
+    host table's own run, where it is not the set's)."""
     host = {(h["op"], h["pass"], h["impl"]): h for h in results.get("host", []) if "wall_us" in h}
     lines = []
     for (op, pass_, impl), h in host.items():
@@ -107,8 +108,9 @@ def _host(results) -> list[str]:
                       f"{fastest[0]:.1f} ({fastest[1]})" if fastest else ""])
     if not lines:
         return []
+    run = f"; its own run, commit {commit}" if commit else ""
     return ["", "Host cost of one eager call (µs, a tight loop synchronized once; F.rms_norm: torch's native op, "
-            "after the add for the fused add; the calls of a layer, every call in the full table):", ""] + \
+            f"after the add for the fused add; the calls of a layer, every call in the full table{run}):", ""] + \
         _table(["call", "shape", "xkern", "F.rms_norm", "xkern / F.rms_norm", "fastest other"], lines)
 
 
@@ -218,9 +220,16 @@ def section(json_path: str, readme_dir: str) -> str:
         out += ["", "Peers: " + "; ".join(named) + "."]
     out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel)
     out += _moe(folder, stem)
-    out += _host(results)
+    host_path = os.path.join(folder, stem + "-host.json")  # a later run of the host table alone, if any
+    if os.path.exists(host_path):
+        with open(host_path) as f:
+            host = json.load(f)
+        out += _host(host, host.get("commit", "?"))
+    else:
+        out += _host(results)
     links = [f"[every table]({rel}.md)", f"[data]({rel}.json)"]
-    for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep")):
+    for suffix, label in (("-add_rms_norm.md", "fused residual add"), ("-sweep.md", "width sweep"),
+                          ("-host.md", "host cost")):
         if os.path.exists(os.path.join(folder, stem + suffix)):
             links.append(f"[{label}]({rel}{suffix})")
     for kind, label in (("moe-layer", "MoE layer"), ("jax-moe-layer", "JAX MoE layer")):

@@ -74,7 +74,7 @@ def main() -> int:
         for launch, pointer_types in module.compile_variants():
             sig, consts = signature(launch, pointer_types)
             key = (launch.kernel.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())),
-                   launch.num_warps)
+                   launch.num_warps, launch.num_stages)
             if key in seen:
                 continue
             seen.add(key)

@@ -187,11 +187,23 @@ class GemmTile(NamedTuple):
 
 
 # 16-bit: 128 x 256 tiles, 64 deep, 8 warps (two warpgroups of wgmma on sm_90); the rows kernel 4 stages in
-# flight (192 KiB of shared memory), dw 3. At the Qwen3-MoE step's six GEMMs (tools.gemm_probe, H100,
-# 2026-12-06) they ran 513-544 TFLOP/s where 128 x 128 x 64 on 3 stages ran 469-480; torch._grouped_mm
-# (CUTLASS) 573-579 on the dw forms. fp32 (IEEE FMAs, no tensor cores): 64 x 64 x 32 on 4 warps.
+# flight (192 KiB of shared memory) up to an inner dim of DEEP_INNER, 3 past it, dw 3. tools.gemm_probe on an
+# H100 (2026-12-06), the MoE benchmark's six GEMMs: at Qwen3-MoE 481-568 TFLOP/s where 128 x 128 x 64 on 3
+# stages ran 423-501 (torch._grouped_mm, CUTLASS: 520-637); at DeepSeek-V3 the forward and dx 452-474 against
+# torch's 433-478, 4 stages losing 19 % at the up projection's 7168-deep forward and 3 % at the down
+# projection's dx (7168), level or up to 8 % faster at inner dims of 768-4096. fp32 (IEEE FMAs, no tensor
+# cores): 64 x 64 x 32 on 4 warps.
 ROWS_TILES = {2: GemmTile(128, 256, 64, 8, 4), 4: GemmTile(64, 64, 32, 4, 2)}
 DW_TILES = {2: GemmTile(128, 256, 64, 8, 3), 4: GemmTile(64, 64, 32, 4, 2)}
+DEEP_INNER = 4096  # 16-bit rows kernel: 3 stages past this inner dim
+
+
+def rows_tile(dtype: str, n_inner: int) -> GemmTile:
+    """The rows kernel's tile for `dtype` and the inner (contracted) dim."""
+    tile = ROWS_TILES[ITEMSIZE[dtype]]
+    return tile._replace(num_stages=3) if ITEMSIZE[dtype] == 2 and n_inner > DEEP_INNER else tile
+
+
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
 MIN_BLOCK_E = 256        # experts' vector length at least this: one binary for up to 256 experts
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -214,7 +226,7 @@ def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dty
     """The rows kernel for y [n_slots, n_cols] = x [n_slots, n_inner] @ w[e] [n_inner, n_cols] (w with element
     strides `w_strides`, one matrix dim contiguous: `weight_layout`). Arrays (x, w, offs, y); scalars
     n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`)."""
-    tile = tile or ROWS_TILES[ITEMSIZE[dtype]]
+    tile = tile or rows_tile(dtype, n_inner)
     w_expert_stride, w_stride, n_contiguous = weight_layout(n_inner, n_cols, w_strides)
     n_tiles = cdiv(n_slots, tile.block_m) + n_experts
     consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, w_expert_stride, w_stride),
@@ -238,12 +250,13 @@ def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, 
 
 def compile_variants() -> list[tuple[Launch, dict]]:
     """Every (kernel, constexprs) the plans choose, at the extremes of what varies with the shapes: each dtype,
-    both weight layouts (forward: N contiguous; dx: K contiguous), ALIGN 16 and 1, BLOCK_E at its least and
-    most (the plans' ALIGN 2-8 and BLOCK_E 512-2048 are the same code with other constants)."""
+    both weight layouts (forward: N contiguous; dx: K contiguous), ALIGN 16 and 1, the inner dim on both sides of
+    DEEP_INNER (the rows kernel's stages), BLOCK_E at its least and most (the plans' ALIGN 2-8 and BLOCK_E
+    512-2048 are the same code with other constants)."""
     variants = []
     for dtype in FLOATS:
         ptr = POINTER_TYPES[dtype]
-        for n_inner, n_cols in ((256, 512), (255, 511)):  # ALIGN 16, 1
+        for n_inner, n_cols in ((256, 512), (255, 511), (8192, 512)):  # ALIGN 16, 1; past DEEP_INNER
             for experts in (1, MAX_GEMM_EXPERTS):
                 for strides in ((n_inner * n_cols, n_cols, 1), (n_inner * n_cols, 1, n_inner)):
                     plan = plan_grouped_mm(8192, n_inner, n_cols, experts, dtype, n_inner, strides)
