@@ -272,15 +272,13 @@ def mgpu_gemm():
 
 
 def use_expert_gemm(name: str):
-    """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU jax's Mosaic GPU kernels, else its
-    Pallas lowering, else the tiled loop, whichever this jax has first; on a CPU `ragged_dot`, whose lowering
-    there is exact). Returns the name."""
+    """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU xkern's (`jax_api.grouped_mm`), on a
+    CPU `ragged_dot`, whose lowering there is exact). Returns the name."""
     import jax
 
     global EXPERT_GEMM
     if name == "auto":
-        name = "ragged_dot" if jax.default_backend() == "cpu" else "mgpu" if mgpu_kernels() else \
-            "pallas" if ragged_dot_pallas_available() else "tiled"
+        name = "ragged_dot" if jax.default_backend() == "cpu" else "xkern"
     if name == "mgpu" and mgpu_kernels() is None:
         raise ValueError("--experts-gemm mgpu: this jax has no Mosaic GPU ragged_dot kernels")
     if name == "pallas":  # read when each ragged_dot lowers, the backward's too: set for the whole run
@@ -716,8 +714,8 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
                         f"(default: {DEFAULT_XLA_FLAGS!r}; '' for none)")
     parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
-                        "shared by both paths (default auto, on a GPU: jax's Mosaic GPU kernels, else its Pallas "
-                        "lowering of ragged_dot, else the tiled loop, the first this jax has; ragged_dot on a CPU)")
+                        "shared by both paths (default auto: xkern's on a GPU, ragged_dot on a CPU; mgpu: jax's "
+                        "Mosaic GPU kernels for Hopper)")
     parser.add_argument("--mgpu-blocks", type=mgpu_blocks, default={}, metavar="[FORM.]KEY=N,...",
                         help="with --experts-gemm mgpu: its tiles in place of MGPU_BLOCK's (block_m, block_n, "
                         "block_k, max_concurrent_steps, grid_block_n), for every form or one (forward, dx, dw), "

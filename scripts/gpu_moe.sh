@@ -35,10 +35,11 @@ if [[ $PARTS == *" torch "* ]]; then
   echo "torch moe_layer rc=$?"; grep -E "^$SIZE" "$OUT_KIND/moe-layer-$SIZE.log"
 fi
 
-# The experts' GEMMs by jax's Mosaic GPU kernels for Hopper; where those fail, by loops of dense GEMMs over row
-# tiles (XLA's own ragged_dot expands the weight gradient per expert: 197 GiB for the Qwen3-MoE step).
+# The experts' GEMMs by xkern's grouped GEMM (jax_api.grouped_mm); where that fails, jax's Mosaic GPU kernels
+# for Hopper, then loops of dense GEMMs over row tiles (XLA's own ragged_dot expands the weight gradient per
+# expert: 197 GiB for the Qwen3-MoE step).
 if [[ $PARTS == *" jax "* ]]; then
-  for GEMM in mgpu tiled; do
+  for GEMM in xkern mgpu tiled; do
     # shellcheck disable=SC2086 # JAX_ARGS: words for the command line
     timeout "${JAX_TIMEOUT:-300}" "$PY" -m benchmarks.jax_moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
       --experts-gemm "$GEMM" --xla-flags "$FLAGS" ${JAX_ARGS:-} > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
