@@ -85,9 +85,10 @@ def test_readme_first_call_and_moe_gathers():
     idx = ns["idx"].tolist()
     assert sorted(i for i in idx if i >= 0) == list(range(6)) and idx.count(-1) == 10
     assert torch.equal(ns["y"], 2 * ns["x"])
-    tokens, probs, out = ns["tokens"], ns["probs"], ns["out"]
-    want = (probs.double().sum(1, keepdim=True) * 2 * tokens.double()).float()  # each token's 2 copies alike
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    tokens, probs, w_e, ids, out = ns["tokens"], ns["probs"], ns["w_e"], ns["topk_ids"], ns["out"]
+    want = sum(probs[:, j, None].double() * torch.einsum("th,thn->tn", tokens.double(), w_e[ids[:, j]].double())
+               for j in range(2))  # each copy through its expert's weight, weighted by its prob
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     tk_idx = ns["tk_idx"].tolist()  # experts 0, 1, 3 get two copies each, in copy order; expert 2 none
     assert ns["tk_sizes"].tolist() == [4, 4, 4, 4] and tk_idx[:8] == [0, 4, -1, -1, 3, 5, -1, -1]
     assert tk_idx[8:] == [-1] * 4 + [1, 2, -1, -1] + [-1] * 6
