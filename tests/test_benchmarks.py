@@ -95,6 +95,15 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" not in text  # links only the tables that exist
     (tmp_path / "g-jax-moe-layer-s.md").write_text("table")
     assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    # a later run of the host table alone (`--host`) takes the place of the set's own host rows, its commit named
+    host = [{"op": "rms_norm", "pass": "fwd", "impl": i, "wall_us": us, "shape": "x 16×4096 bf16"}
+            for i, us in (("xkern (torch)", 10.4), ("F.rms_norm", 10.0))]
+    (tmp_path / "g.json").write_text(json.dumps({**results, "host": [{**h, "wall_us": 99.0} for h in host]}))
+    assert "| rms_norm forward | 16×4096 bf16 | 99.0 | 99.0 | 1.00 |" in readme.section(str(tmp_path / "g.json"),
+                                                                                       str(tmp_path))
+    (tmp_path / "g-host.json").write_text(json.dumps({"commit": "later12", "host": host}))
+    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "| rms_norm forward | 16×4096 bf16 | 10.4 | 10.0 | 1.04 |" in text and "its own run, commit later12" in text
 
 
 @pytest.mark.slow
