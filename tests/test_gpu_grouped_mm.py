@@ -60,3 +60,30 @@ def test_qwen3_moe_up_projection_against_torch_grouped_mm():
     dx2, dw2 = torch.autograd.grad(again, (x_leaf, w_leaf), dy)
     for a, b in ((again, y), (dx2, dx), (dw2, dw)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "not the same bits run to run"
+
+
+def test_deep_inner_dim_against_torch_grouped_mm():
+    """An inner dim past `DEEP_INNER` (the rows kernel's 3-stage plan, DeepSeek-V3's 7168-deep GEMMs) for the
+    forward and dx, and dw over it, against torch._grouped_mm; experts of uneven sizes (multiples of 16, as
+    torch._grouped_mm's bf16 offsets must be; not of the 128-row tile), one empty."""
+    from xkern.grouped_mm import DEEP_INNER
+
+    g = torch.Generator("cuda").manual_seed(3)
+    k, n, sizes = DEEP_INNER + 3072, 384, [704, 0, 144, 1200, 64]
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    n_slots = int(offs[-1]) + 112  # a zero tail
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    x, w, dy = rnd(n_slots, k), rnd(len(sizes), k, n) * k ** -0.5, rnd(n_slots, n)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = torch_api.grouped_mm(xl, wl, offs)
+    dx, dw = torch.autograd.grad(y, (xl, wl), dy)
+    last = int(offs[-1])
+    assert not torch.any(y[last:]) and not torch.any(dx[last:])
+    ax, aw, ady = x.abs(), w.abs(), dy.abs()
+    _close(y[:last], torch._grouped_mm(x, w, offs=offs)[:last], torch._grouped_mm(ax, aw, offs=offs)[:last], k, "y")
+    _close(dx[:last], torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)[:last],
+           torch._grouped_mm(ady, aw.transpose(-2, -1), offs=offs)[:last], n, "dx")
+    _close(dw, torch._grouped_mm(x.t(), dy, offs=offs), torch._grouped_mm(ax.t(), ady, offs=offs), max(sizes), "dw")
