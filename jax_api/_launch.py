@@ -45,6 +45,14 @@ def check_array(name: str, a) -> None:
         raise TypeError(f"{name} must be a jax array, got {type(a).__name__}")
 
 
+def concrete(name: str, a) -> np.ndarray:
+    """`a` on the host for validate=True: it must be concrete (not traced under jit)."""
+    try:
+        return np.asarray(a)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"validate=True needs a concrete {name} (call it outside jit)") from None
+
+
 def execute(recipe: Recipe, **inputs) -> list[jax.Array]:
     """Run `recipe` on `inputs` (by name): each step's kernel through `call`, filled buffers as constants."""
     env = dict(inputs)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 
 from jax_api import sharding
-from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api._launch import check_array, concrete, execute, map_batched, vary_like
 from xkern import grouped_mm as contract
 
 
@@ -77,13 +76,6 @@ _dw.defvjp(lambda a, b, offs: (_dw(a, b, offs), (a, b, offs)),
            lambda res, big_h: (_dx(res[1], big_h, res[2]), _fwd(res[0], big_h, res[2]), None))
 
 
-def _host(name: str, a) -> np.ndarray:
-    """validate=True reads the offsets on the host: they must be concrete (not traced under jit)."""
-    try:
-        return np.asarray(a)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        raise ValueError(f"validate=True needs a concrete {name} (call it outside jit)") from None
-
 
 def grouped_mm(x, w, m_offsets, validate: bool = False):
     """The experts' GEMMs over the padded expert-major layout: y [S, N] in x's dtype, `y[r] = x[r] @ w[e]` for
@@ -103,5 +95,5 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
     contract.check_grouped_mm(x.dtype.name, tuple(x.shape), w.dtype.name, tuple(w.shape), m_offsets.dtype.name,
                               tuple(m_offsets.shape))
     if validate:
-        contract.check_offsets(_host("m_offsets", m_offsets), x.shape[0])
+        contract.check_offsets(concrete("m_offsets", m_offsets), x.shape[0])
     return _fwd(x, w, m_offsets)

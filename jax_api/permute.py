@@ -12,10 +12,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_api import sharding
-from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api._launch import check_array, concrete, execute, map_batched, vary_like
 from xkern import permute as contract
 from xkern.launch import check_int
 
@@ -275,13 +274,6 @@ def _devices(a):
         return None
 
 
-def _host(name: str, a) -> np.ndarray:
-    """validate=True reads the indices on the host: they must be concrete (not traced under jit)."""
-    try:
-        return np.asarray(a)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        raise ValueError(f"validate=True needs a concrete {name} (call it outside jit)") from None
-
 
 def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num_ranks: int, max_len: int,
                              alignment: int, validate: bool = False):
@@ -299,7 +291,7 @@ def generate_permute_indices(tokens_per_expert_group, experts_per_rank: int, num
     experts_per_rank, num_ranks, max_len, alignment = contract.check_layout(
         counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
     if validate:
-        contract.check_counts(_host("tokens_per_expert_group", counts), experts_per_rank, alignment, max_len)
+        contract.check_counts(concrete("tokens_per_expert_group", counts), experts_per_rank, alignment, max_len)
     outs = _generate_op(experts_per_rank, num_ranks, max_len, alignment)(counts)
     return tuple(vary_like(o, counts) for o in outs)
 
@@ -337,7 +329,7 @@ def topk_permute_indices(expert_ids, num_experts: int, max_len: int | None = Non
     n_copies, num_experts, max_len, alignment = contract.check_route(ids.dtype.name, tuple(ids.shape), num_experts,
                                                                      max_len, alignment)
     if validate:
-        contract.check_expert_ids(_host("expert_ids", ids), num_experts, max_len, alignment)
+        contract.check_expert_ids(concrete("expert_ids", ids), num_experts, max_len, alignment)
     outs = _route_op(n_copies, num_experts, max_len, alignment)(ids.reshape(-1))
     return tuple(vary_like(o, ids) for o in outs)
 
@@ -372,7 +364,7 @@ def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1)
     _check_index("permuted_indices", permuted_indices, like=x)
     top_k = contract.check_top_k(top_k)
     if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), x.shape[0] * top_k,
+        contract.check_permutation(concrete("permuted_indices", permuted_indices), x.shape[0] * top_k,
                                    complete=top_k == 1)
     if top_k > 1:
         return _permute_tokens(top_k, x.shape[0], x, permuted_indices)
@@ -385,7 +377,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     _check_index("permuted_indices", permuted_indices)
     num_rows = check_int("num_rows", num_rows)
     if validate:
-        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows)
+        contract.check_permutation(concrete("permuted_indices", permuted_indices), num_rows)
     return vary_like(_inverse(permuted_indices, num_rows, _unsplit(num_rows, permuted_indices.dtype)), permuted_indices)
 
 
@@ -407,7 +399,7 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
                                      None if probs is None else probs.dtype.name,
                                      None if probs is None else tuple(probs.shape))
     if validate:  # the top_k forms allow dropped copies (rows no slot names)
-        contract.check_permutation(_host("permuted_indices", permuted_indices), num_rows,
+        contract.check_permutation(concrete("permuted_indices", permuted_indices), num_rows,
                                    complete=top_k == 1 and probs is None)
     # The forward's kernels are the core's choice (`unpermute_recipe`, in `_combine_kernel`); what differs
     # here is the autodiff glue: the combine's backward also gives dprobs, the copy-sum's is the dispatch.

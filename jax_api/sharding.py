@@ -322,8 +322,7 @@ def grouped_rows(body, transposed: bool):
 
     def partition(mesh, arg_shapes, result_shape):
         cols = dim_axes(arg_shapes[1])[1 if transposed else 2]
-        rows = _without(dim_axes(arg_shapes[0])[0], cols)
-        rows = rows if result_shape.shape[0] % _size(mesh, rows) == 0 else ()
+        rows = _split_rows(mesh, arg_shapes[0], result_shape, cols)
         local_rows = result_shape.shape[0] // _size(mesh, rows)
 
         def fn(a, w, offs):
@@ -355,10 +354,7 @@ def _local_offsets(offs, axes, local_rows: int):
     """Global cumulative ends counted from this device's first row, clipped to [0, local_rows]: an expert before
     the device's rows ends at 0, one after them at local_rows, so the kernel's blocks are the device's part of
     each expert and its rows past the last offset stay the zero tail."""
-    if not axes:
-        return offs
-    first = (jax.lax.axis_index(axes) * local_rows).astype(offs.dtype)
-    return jnp.clip(offs - first, 0, local_rows)
+    return jnp.clip(_renumbered(offs, axes, local_rows), 0, local_rows) if axes else offs
 
 
 def _without(axes, taken) -> tuple[str, ...]:
