@@ -533,8 +533,13 @@ def fingerprint(a):
 
     if a.size * a.dtype.itemsize <= EXACT_BYTES:
         return np.asarray(a)
-    bits = jax.lax.bitcast_convert_type(a, {2: jnp.int16, 4: jnp.int32}[a.dtype.itemsize]).astype(jnp.int32)
-    return np.asarray(jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.astype(jnp.float32).sum()]))
+
+    @jax.jit  # one fused reduction: eager, each cast held a copy of the array (28 GiB at DeepSeek-V3's size)
+    def sums(a):
+        bits = jax.lax.bitcast_convert_type(a, {2: jnp.int16, 4: jnp.int32}[a.dtype.itemsize]).astype(jnp.int32)
+        return jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.sum(dtype=jnp.float32)])
+
+    return np.asarray(sums(a))
 
 
 def compiled_bytes(compiled) -> int:
