@@ -230,6 +230,13 @@ def transformer_engine_status() -> str | None:
     return _import_status("transformer_engine.pytorch")
 
 
+def liger_autotune() -> bool:
+    """Whether Liger's fused MoE kernels autotune: its own `LIGER_FUSED_MOE_AUTOTUNE=0` pins one config per
+    kernel, for a size whose autotuning (160 configs over six kernels) outlasts a run's time limit. A row
+    measured so says it."""
+    return os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() not in ("0", "false", "no")
+
+
 def liger_status(device: str) -> str | None:
     # Under Triton 3.6's interpreter (liger-kernel 0.8.5, smoke size) its routing metadata is right but its
     # forward's output is off by ~1e10 and its backward raises (a bf16 tl.atomic_add: "Unsupported data type").
@@ -415,6 +422,8 @@ def measure_torch(name: str, inp: dict, top_k: int, num_experts: int, whole: boo
 
     path = TORCH_PATHS[name]
     row = {"framework": "torch", "impl": name, "part": "layer" if whole else "dispatch+combine"}
+    if name == "liger" and not liger_autotune():
+        row["liger_autotune"] = False
     try:
         step = torch_step(path, inp, top_k, num_experts, whole)
         out = step[0].detach()
@@ -485,6 +494,14 @@ def run_size(label: str, size: dict, device: str, log, done=None, parts=PARTS, p
     return rows
 
 
+AUTOTUNE_OFF = " (Liger's autotune off: one config per kernel)"
+
+
+def off(row: dict) -> bool:
+    """A Liger row measured with its autotune off."""
+    return row.get("liger_autotune") is False
+
+
 def markdown(rows: list[dict], gpu: str) -> str:
     lines = [f"## MoE layer step (torch) on {gpu} (fwd + bwd, bf16; dispatch+combine = permute + weighted combine "
              f"alone; FP32 reference: worst relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
@@ -494,7 +511,7 @@ def markdown(rows: list[dict], gpu: str) -> str:
         us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] != "xkern")
         rel = f"{r['max_rel_diff_vs_torchtitan']:.2e}" if "max_rel_diff_vs_torchtitan" in r else ""
         lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {peak} | {ref} "
-                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']} |")
+                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']}{AUTOTUNE_OFF if off(r) else ''} |")
     return "\n".join(lines)
 
 

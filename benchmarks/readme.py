@@ -142,6 +142,11 @@ def _moe_rows(path: str, framework: str):
         yield res, key, {r["impl"]: r for r in rows if (r["size"], r["tokens"], r["part"]) == key}
 
 
+def _moe_path(row: dict) -> str:
+    """A MoE row's path as the README names it."""
+    return MOE_PATHS.get(row["impl"], row["impl"]) + (" (autotune off)" if row.get("liger_autotune") is False else "")
+
+
 def _moe(folder: str, stem: str) -> list[str]:
     """The MoE layer step per front end, size and part: xkern, each peer, xkern's peak memory beside the lowest
     peer's, JAX's time over torch's; and the Hugging Face training step, where they ran."""
@@ -155,7 +160,7 @@ def _moe(folder: str, stem: str) -> list[str]:
                 if framework == "jax":
                     gemms.add(res.get("experts_gemm_name") or res.get("experts_gemm", "?"))
                 lines.append([framework, f"{key[0]} (T={key[1]})", key[2], f"{x['us'] / 1000:.2f}",
-                              ", ".join(f"{MOE_PATHS.get(r['impl'], r['impl'])} {r['us'] / 1000:.2f}" for r in peers),
+                              ", ".join(f"{_moe_path(r)} {r['us'] / 1000:.2f}" for r in peers),
                               f"{x['us'] / peers[0]['us']:.2f}",
                               f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}",
                               f"{x['vs_torch_xkern']:.2f}" if x.get("vs_torch_xkern") else ""])

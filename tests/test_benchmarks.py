@@ -575,13 +575,13 @@ def test_jax_moe_tiled_gemm_is_ragged_dot(rows_by_ragged_dot):
     rng = np.random.default_rng(5)
     # "xkern": the benchmark's `--experts-gemm xkern` (jax_api.grouped_mm on the groups' cumulative ends)
     gemm = jax_moe_layer.xkern_gemm if rows_by_ragged_dot == "xkern" else jax_moe_layer.tiled_gemm(rows_by_ragged_dot)
+    # xkern multiplies fp32 in IEEE FP32; ragged_dot and the tiled forms at the GPU's default (TF32)
+    precision = jax.lax.Precision.HIGHEST if rows_by_ragged_dot == "xkern" else None
     for sizes in ([5, 0, 17, 3, 0, 40], [0, 0, 64], [64, 0, 0]):
         gs = jnp.asarray(sizes, jnp.int32)
         rows = sum(sizes) + 7
         x, dy = (jnp.asarray(rng.standard_normal((rows, n)), jnp.float32) for n in (24, 40))
         w = jnp.asarray(rng.standard_normal((len(sizes), 24, 40)), jnp.float32)
-        # xkern multiplies fp32 in IEEE FP32; ragged_dot and the tiled forms at the GPU's default (TF32)
-        precision = jax.lax.Precision.HIGHEST if rows_by_ragged_dot == "xkern" else None
         want, want_vjp = jax.vjp(lambda x, w, gs=gs: jax.lax.ragged_dot(x, w, gs, precision=precision), x, w)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(jax_moe_layer, "TILE_ROWS", 16)
