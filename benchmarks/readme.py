@@ -157,7 +157,7 @@ def _moe(folder: str, stem: str) -> list[str]:
                 if "xkern" not in sel or len(sel) < 2:
                     continue
                 x, peers = sel.pop("xkern"), sorted(sel.values(), key=lambda r: r["us"])
-                if framework == "jax":
+                if framework == "jax" and key[2] == "layer":  # dispatch + combine runs no expert GEMM
                     gemms.add(res.get("experts_gemm_name") or res.get("experts_gemm", "?"))
                 lines.append([framework, f"{key[0]} (T={key[1]})", key[2], f"{x['us'] / 1000:.2f}",
                               ", ".join(f"{_moe_path(r)} {r['us'] / 1000:.2f}" for r in peers),
