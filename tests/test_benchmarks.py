@@ -561,6 +561,43 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
 
 
+def test_parallel_autotune_compile_warms_each_tuning_key_once():
+    """The MoE benchmark's parallel compile of an autotuned peer (Liger): at a tuning key's first call every
+    config is compiled (warmed) before the autotuner's own benchmark and launch, once per key and only inside
+    the block; the autotuner still runs every config and launches its choice."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    from benchmarks.moe_layer import parallel_autotune_compile
+
+    calls = []
+
+    class Kernel:  # a JITFunction's two entry points: compile only (warmup), compile and launch (run)
+        def __init__(self):
+            self.fn = lambda x, n: None
+
+        def warmup(self, x, n, *, grid, **meta):
+            calls.append(("compile", n, meta["B"]))
+
+        def run(self, x, n, *, grid, warmup, **meta):
+            calls.append(("launch", n, meta["B"]))
+
+    configs = [triton.Config({"B": b}) for b in (1, 2, 4)]
+    tuner = Autotuner(Kernel(), ["x", "n"], configs, ["n"], None, None,
+                      do_bench=lambda call, quantiles: (call(), [float(len(calls))] * 3)[1])
+    with parallel_autotune_compile(2):
+        tuner[(1,)](torch.ones(2), 5)
+        tuner[(1,)](torch.ones(2), 5)
+        tuner[(1,)](torch.ones(2), 6)
+    tuner[(1,)](torch.ones(2), 7)
+
+    def step(n, compiled):  # the autotuner benchmarks every config (the first is the fastest), then launches it
+        return [("compile", n, b) for b in (1, 2, 4) if compiled] + [("launch", n, b) for b in (1, 2, 4, 1)]
+
+    assert calls == step(5, True) + [("launch", 5, 1)] + step(6, True) + step(7, False)
+    assert Autotuner.run.__name__ == "run"  # the autotuner's own again after the block
+
+
 @pytest.mark.parametrize("rows_by_ragged_dot", [False, True, "xkern"])
 def test_jax_moe_tiled_gemm_is_ragged_dot(rows_by_ragged_dot):
     """The JAX MoE benchmark's tiled grouped GEMM (its experts where XLA's ragged_dot would expand to a dense
