@@ -22,7 +22,7 @@ if not GPU:
 # Tests marked `sm90_static` check the sm_90 build without a GPU (every plan variant compiled, the two
 # launchers' PTX, CUDA exports): the same answer on any machine with these packages, so CPU CI runs them,
 # and a GPU run, which launches the kernels themselves, skips them unless XKERN_GPU_STATIC=1. They are
-# single tests of hundreds of compiles each (compile_check: 753 variants, ~0.3 s each), the longest of
+# single tests of hundreds of compiles each (compile_check: 1323 variants, ~0.3 s each), the longest of
 # a GPU suite spread over pytest-xdist processes.
 RUN_STATIC = not GPU or os.environ.get("XKERN_GPU_STATIC") == "1"
 
