@@ -36,6 +36,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -170,6 +171,9 @@ def run(args) -> int:
 
     start = time.time()
     device = "cuda" if GPU else "cpu"
+    # jax_api's ptxas router logs which assembler took each PTX (`jax_api/_ptxas.py`): the JSON says whether
+    # JAX's kernels were assembled as torch's (Triton's ptxas) in this process
+    ptxas_log = os.environ.setdefault("XKERN_PTXAS_LOG", os.path.join(tempfile.mkdtemp(), "ptxas.log"))
     timing.set_smoke(args.smoke or not GPU)
     configure_dynamo()
     mode, work = plan(args)
@@ -259,6 +263,9 @@ def run(args) -> int:
             f"about {spent / (i + 1) * (len(work) - i - 1):.0f} s to go{held})")
         save()
     results["wall_s"] = time.time() - start
+    results["jax_ptxas"] = ptxas_calls(ptxas_log)
+    if results["jax_ptxas"]:
+        log(f"ptxas calls by assembler and PTX ISA version: {results['jax_ptxas']}")
     save()
 
     if json_path:
@@ -280,6 +287,18 @@ def run(args) -> int:
     if json_path:
         log(f"wrote {json_path} ({results['wall_s']:.0f} s)")
     return failures(results, strict=timing.smoke())
+
+
+def ptxas_calls(path: str) -> dict:
+    """The calls jax_api's ptxas router logged, counted by "<assembler> <PTX ISA version>" ("triton 88": Triton's
+    ptxas, as torch's kernels; "jaxlib 90": XLA's own PTX; "jaxlib " with no version: `--version` queries)."""
+    if not os.path.exists(path):
+        return {}
+    calls: dict = {}
+    with open(path) as f:
+        for line in f:
+            calls[line.rstrip("\n")] = calls.get(line.rstrip("\n"), 0) + 1
+    return calls
 
 
 def validation_summary(results: dict) -> str:

@@ -17,6 +17,8 @@ import glob
 import json
 import os
 
+from benchmarks.report import jax_speed
+
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
@@ -66,7 +68,7 @@ def _ratios(rows) -> list[dict]:
         best, peer = max(peers) if peers else (None, None)
         out.append({"key": (op, pass_, dtype), "shape": shape, "frac": xk["frac"], "peer": peer,
                     "vs_peer": xk["frac"] / best if best else None,
-                    "jax": xj["frac"] / xk["frac"] if xj and xj.get("frac") else None})
+                    "jax": jax_speed(xk, xj)})
     return out
 
 
@@ -211,13 +213,14 @@ def section(json_path: str, readme_dir: str) -> str:
         lines.append([key[0], PASS_NAMES[key[1]], key[2], str(len(sel)), f"{min(fr):.2f}–{max(fr):.2f}",
                       f"{w['vs_peer']:.2f} at {w['shape']} ({w['peer']})" if w else "",
                       f"{j['jax']:.2f} at {j['shape']}" if j else ""])
-    same = any("profile" in r.get("timing", "") for r in results["rows"] if r["impl"] == "xkern (jax)")
+    same = all(r.get("profile_us") for r in results["rows"] if r["impl"] in ("xkern (torch)", "xkern (jax)"))
     out += ["", "Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, "
             "as a fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, "
             "the smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). "
             "*Slowest JAX against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is "
-            "as fast)" + ("." if same else "; this set timed JAX in a jitted loop and torch in CUDA graphs, not "
-                          "the one profiler method both use now."), ""]
+            "as fast)" + (", both by the profiler (device time per call, L2 flushed)." if same else
+                          "; this set timed JAX in a jitted loop and torch in CUDA graphs, not the one profiler "
+                          "method both use now."), ""]
     out += _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
                    "slowest against the best peer", "slowest JAX against torch"], lines)
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]

@@ -74,7 +74,7 @@ def _frac_table(rows, extra=()) -> list[str]:
     return _table(["shape"] + present + [title for title, _ in extra], lines)
 
 
-def _jax_speed(xk: dict, xj: dict | None) -> float | None:
+def jax_speed(xk: dict, xj: dict | None) -> float | None:
     """JAX's speed over torch's for xkern (torch µs / JAX µs; below 1, JAX is slower): by the same method,
     the profiler's (`profile_us`), where both rows have it (results before it: the two rows' fractions)."""
     if not xj:
@@ -114,7 +114,7 @@ def jax_torch_table(rows) -> list[str]:
 
 def ratios(rows) -> list[dict]:
     """Per (op, pass, dtype, shape): xkern (torch) over the best peer (device time), and JAX over torch
-    (`_jax_speed`)."""
+    (`jax_speed`)."""
     out = []
     for (op, pass_, dtype, shape), by in _group(rows, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
         xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
@@ -125,7 +125,7 @@ def ratios(rows) -> list[dict]:
         out.append({"op": op, "pass": pass_, "dtype": dtype, "shape": shape, "width": int(shape.split("×")[-1]),
                     "xkern": xk["frac"], "best_peer": peer, "peer_frac": best,
                     "ratio": xk["frac"] / best if best else None,
-                    "jax_ratio": _jax_speed(xk, xj)})
+                    "jax_ratio": jax_speed(xk, xj)})
     return out
 
 

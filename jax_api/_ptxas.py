@@ -22,16 +22,22 @@ import tempfile
 
 _SHIM = """#!/bin/sh
 # PTX of ISA version <= {max_version} (Triton's): Triton's ptxas; any other input, and --version: jaxlib's.
+# With XKERN_PTXAS_LOG set, one line per call there: which ptxas took it and the PTX's ISA version.
+v=
 for a in "$@"; do
   case "$a" in -*) continue ;; esac
   if [ -f "$a" ]; then
     v=$(sed -n 's/^[[:space:]]*\\.version[[:space:]]*\\([0-9][0-9]*\\)\\.\\([0-9]\\).*/\\1\\2/p' "$a" | head -n 1)
     if [ -n "$v" ]; then
-      if [ "$v" -le {max_version} ]; then exec '{triton}' "$@"; fi
+      if [ "$v" -le {max_version} ]; then
+        [ -n "$XKERN_PTXAS_LOG" ] && echo "triton $v" >> "$XKERN_PTXAS_LOG"
+        exec '{triton}' "$@"
+      fi
       break
     fi
   fi
 done
+[ -n "$XKERN_PTXAS_LOG" ] && echo "jaxlib $v" >> "$XKERN_PTXAS_LOG"
 exec '{fallback}' "$@"
 """
 

@@ -63,6 +63,37 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert f"[data]({path.stem}.json)" in section and results["gpu"] in section
 
 
+def test_main_counts_the_ptxas_routers_calls(tmp_path):
+    """The main job's JSON counts what jax_api's ptxas router logged (XKERN_PTXAS_LOG) by assembler and PTX ISA
+    version: whether JAX's kernels were assembled as torch's in that process; no log, no counts."""
+    from benchmarks.main import ptxas_calls
+
+    log = tmp_path / "ptxas.log"
+    assert ptxas_calls(str(log)) == {}
+    log.write_text("triton 88\njaxlib 90\ntriton 88\njaxlib \n")
+    assert ptxas_calls(str(log)) == {"triton 88": 2, "jaxlib 90": 1, "jaxlib ": 1}
+
+
+def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
+    """README's "slowest JAX against torch" is torch's profiler time over JAX's where both rows have one (the
+    torch row's own time is a CUDA graph's, another method), else the two rows' fractions of the ceiling."""
+    from benchmarks import readme
+
+    row = {"op": "rms_norm", "pass": "bwd", "dtype": "bfloat16", "shape": [32768, 128], "status": "ok"}
+    rows = [{**row, "impl": "xkern (torch)", "frac": 0.5, "us": 14.6, "profile_us": 15.3},
+            {**row, "impl": "xkern (jax)", "frac": 0.5 * 14.6 / 15.9, "us": 15.9, "profile_us": 15.9},
+            {**row, "impl": "quack", "frac": 0.4, "us": 18.0}]
+    results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": rows}
+    (tmp_path / "g.json").write_text(json.dumps(results))
+    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "| 0.96 at 32768×128 |" in text and "both by the profiler" in text  # 15.3 / 15.9
+    for r in rows:
+        r.pop("profile_us", None)
+    (tmp_path / "g.json").write_text(json.dumps(results))
+    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "| 0.92 at 32768×128 |" in text and "not the one profiler method" in text  # 14.6 / 15.9
+
+
 def test_readme_section_summarises_the_side_results(tmp_path):
     """A GPU kind's README section sums up the JAX/torch profile and the MoE steps beside the main set, from the
     JSON each wrote: ratios computed from the rows, a row failing its FP32 check left out."""

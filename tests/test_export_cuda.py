@@ -134,7 +134,7 @@ def test_use_triton_ptxas_routes_by_ptx_version(monkeypatch, tmp_path):
     """The `ptxas` that `jax_api.use_triton_ptxas()` puts first: PTX of an ISA version Triton's ptxas assembles
     (Triton's own) goes to Triton's ptxas, a newer one (XLA's from jaxlib 0.11.2: 9.0) and `--version` to the
     ptxas jaxlib's search finds, never to a routing `ptxas` inherited from a parent process; calling it again
-    changes nothing."""
+    changes nothing. With XKERN_PTXAS_LOG, each call leaves a line there."""
     import shutil
 
     from jax_api import _ptxas
@@ -155,7 +155,8 @@ def test_use_triton_ptxas_routes_by_ptx_version(monkeypatch, tmp_path):
     _ptxas.use_triton_ptxas()
     assert os.environ["PATH"] == once and once.split(os.pathsep).count(path) == 1
     _, max_version = _ptxas.triton_ptxas()
-    ran = tmp_path / "ran"
+    ran, log = tmp_path / "ran", tmp_path / "ptxas.log"
+    monkeypatch.setenv("XKERN_PTXAS_LOG", str(log))
     kernel = ".target sm_90a\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
     for version, jaxlib in ((f"{max_version // 10}.{max_version % 10}", False), ("9.9", True), (None, True)):
         ran.unlink(missing_ok=True)
@@ -170,3 +171,5 @@ def test_use_triton_ptxas_routes_by_ptx_version(monkeypatch, tmp_path):
         assert run.returncode == 0, run.stderr
         assert ran.exists() == jaxlib, (version, run.stdout, run.stderr)
         assert out.exists() == (not jaxlib)  # Triton's ptxas assembled it
+    # XKERN_PTXAS_LOG: a line per call, which ptxas took it and the PTX's ISA version
+    assert log.read_text().splitlines() == [f"triton {max_version}", "jaxlib 99", "jaxlib "]
