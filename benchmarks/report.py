@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 
+from benchmarks.readme import jax_speed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
 FIGURES = {"rms_norm": ("rms_norm",), "permute": ("permute_rows", "unpermute_rows")}  # PNG -> its ops
@@ -72,16 +74,6 @@ def _frac_table(rows, extra=()) -> list[str]:
                  else _cell(by.get(i)) for i in present]
         lines.append([shape] + cells + [fn(by) for _, fn in extra])
     return _table(["shape"] + present + [title for title, _ in extra], lines)
-
-
-def jax_speed(xk: dict, xj: dict | None) -> float | None:
-    """JAX's speed over torch's for xkern (torch µs / JAX µs; below 1, JAX is slower): by the same method,
-    the profiler's (`profile_us`), where both rows have it (results before it: the two rows' fractions)."""
-    if not xj:
-        return None
-    if xk.get("profile_us") and xj.get("profile_us"):
-        return xk["profile_us"] / xj["profile_us"]
-    return xj["frac"] / xk["frac"] if xj.get("frac") and xk.get("frac") else None
 
 
 def jax_torch(rows) -> list[dict]:
