@@ -17,7 +17,6 @@ OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
 source "$(dirname "$0")/setup.sh"
 set +e
-export PYTHONUNBUFFERED=1  # a log killed at its time limit still shows how far it got
 OUT_KIND="$OUTDIR/$GPU_KIND"
 mkdir -p "$OUT_KIND"
 # XLA's Triton GEMM with its autotuner off took 580 us for the router GEMM that cuBLAS runs in 34: give the
