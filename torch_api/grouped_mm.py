@@ -42,6 +42,7 @@ from xkern.grouped_mm import (
 FWD, DX, DW = "grouped_mm", "grouped_mm_dx", "grouped_mm_dw"
 NAMES = {FWD: ("x", "w", "m_offsets"), DX: ("dy", "w", "m_offsets"), DW: ("x", "dy", "m_offsets")}
 CHECKS = {FWD: check_grouped_mm, DX: check_grouped_mm_dx, DW: check_grouped_mm_dw}
+INPUTS = {FWD: ("x", "w", "offs"), DX: ("dy", "w", "offs"), DW: ("x", "dy", "offs")}  # the recipes' names
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -84,13 +85,8 @@ def _check(form: str, a, b, offs) -> None:
 
 def _run(form: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     a, b = _prepare(form, a, b)
-    names = _recipe_inputs(form)
-    (out,) = run_recipe(_recipe(form, a, b, offs), a.device, **dict(zip(names, (a, b, offs.contiguous()))))
+    (out,) = run_recipe(_recipe(form, a, b, offs), a.device, **dict(zip(INPUTS[form], (a, b, offs.contiguous()))))
     return out
-
-
-def _recipe_inputs(form: str) -> tuple[str, str, str]:
-    return {FWD: ("x", "w", "offs"), DX: ("dy", "w", "offs"), DW: ("x", "dy", "offs")}[form]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,7 +161,7 @@ for _form, _op in OPS.items():
 def _executor(form: str, a, b, offs) -> Executor:
     _check(form, a, b, offs)
     pa, pb = _prepare(form, a, b)
-    ex = Executor(_recipe(form, pa, pb, offs), _recipe_inputs(form))
+    ex = Executor(_recipe(form, pa, pb, offs), INPUTS[form])
     ex.in_place = pa is a and pb is b and offs.is_contiguous()
     return ex
 

@@ -37,6 +37,7 @@ import triton.language as tl
 from xkern.launch import (
     FLOATS,
     INT32_MAX,
+    ITEMSIZE,
     POINTER_TYPES,
     Buffer,
     Launch,
@@ -206,7 +207,6 @@ def rows_tile(dtype: str, n_inner: int) -> GemmTile:
 
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
 MIN_BLOCK_E = 256        # experts' vector length at least this: one binary for up to 256 experts
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def weight_layout(n_inner: int, n_cols: int, w_strides: tuple[int, int, int]) -> tuple[int, int, bool] | None:
@@ -349,10 +349,11 @@ def _rows_recipe(rows: str, out: str, n_slots: int, n_inner: int, n_cols: int, n
                  row_stride: int, w_strides: tuple[int, int, int], tile: GemmTile | None) -> Recipe:
     if n_slots * n_cols == 0 or n_inner == 0:  # nothing to multiply: zeros (or nothing)
         return _zeros(out, (n_slots, n_cols), dtype)
-    if weight_layout(n_inner, n_cols, w_strides) is None:
+    layout = weight_layout(n_inner, n_cols, w_strides)
+    if layout is None:
         raise ValueError(f"w's strides {list(w_strides)} have neither matrix dim contiguous: pass a contiguous w")
     plan = plan_grouped_mm(n_slots, n_inner, n_cols, n_experts, dtype, row_stride, w_strides, tile)
-    w_expert_stride, w_stride, _ = weight_layout(n_inner, n_cols, w_strides)
+    w_expert_stride, w_stride, _ = layout
     scalars = dict(n_slots=n_slots, n_inner=n_inner, n_cols=n_cols, n_experts=n_experts, x_row_stride=row_stride,
                    w_expert_stride=w_expert_stride, w_stride=w_stride)
     return Recipe((Step(plan, (rows, "w", "offs"), (Buffer(out, (n_slots, n_cols), dtype),), scalars),), (out,))
