@@ -527,19 +527,26 @@ def _relative(sums: dict, names) -> dict:
 def fingerprint(a):
     """What the run-to-run check compares: the array on the host, or for a large one (the experts' weight
     gradients) two sums of its bits computed on the device (int32 wrapping, and float32)."""
-    import jax
-    import jax.numpy as jnp
     import numpy as np
 
     if a.size * a.dtype.itemsize <= EXACT_BYTES:
         return np.asarray(a)
+    return np.asarray(_bit_sums()(a))
 
-    @jax.jit  # one fused reduction: eager, each cast held a copy of the array (28 GiB at DeepSeek-V3's size)
+
+@functools.cache
+def _bit_sums():
+    """The large arrays' two sums as one jitted reduction (compiled once per shape): eager, each cast held a
+    copy of the array (28 GiB at DeepSeek-V3's size)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
     def sums(a):
         bits = jax.lax.bitcast_convert_type(a, {2: jnp.int16, 4: jnp.int32}[a.dtype.itemsize]).astype(jnp.int32)
         return jnp.stack([jax.lax.bitcast_convert_type(bits.sum(), jnp.float32), a.sum(dtype=jnp.float32)])
 
-    return np.asarray(sums(a))
+    return sums
 
 
 def compiled_bytes(compiled) -> int:

@@ -531,12 +531,7 @@ def run_size(label: str, size: dict, device: str, log, done=None, parts=PARTS, p
     return rows
 
 
-AUTOTUNE_OFF = " (Liger's autotune off: one config per kernel)"
-
-
-def off(row: dict) -> bool:
-    """A Liger row measured with its autotune off."""
-    return row.get("liger_autotune") is False
+AUTOTUNE_OFF = " (Liger's autotune off: one config per kernel)"  # a Liger row's status, where so measured
 
 
 def markdown(rows: list[dict], gpu: str) -> str:
@@ -547,8 +542,9 @@ def markdown(rows: list[dict], gpu: str) -> str:
     for r in rows:
         us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] != "xkern")
         rel = f"{r['max_rel_diff_vs_torchtitan']:.2e}" if "max_rel_diff_vs_torchtitan" in r else ""
+        status = r["status"] + AUTOTUNE_OFF * (r.get("liger_autotune") is False)
         lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {peak} | {ref} "
-                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {r['status']}{AUTOTUNE_OFF if off(r) else ''} |")
+                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {status} |")
     return "\n".join(lines)
 
 

@@ -592,6 +592,21 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
     assert "| xkern / maxtext |" in (tmp_path / "cpu-jax-moe-layer.md").read_text()
 
 
+def test_a_liger_row_without_its_autotune_says_so(monkeypatch):
+    """A Liger row measured with LIGER_FUSED_MOE_AUTOTUNE=0 (one config per kernel) is named so in the MoE
+    table and in README's MoE line; a row with its autotune is not."""
+    from benchmarks import moe_layer, readme
+
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")
+    assert not moe_layer.liger_autotune()
+    row = {"framework": "torch", "impl": "liger", "part": "layer", "status": "ok", "size": "s", "tokens": 64,
+           "us": 2.0, "peak_mib": 1.0, "liger_autotune": False}
+    tuned = {**row, "liger_autotune": True}
+    table = moe_layer.markdown([row, tuned], "G").splitlines()
+    assert table[-2].endswith("| ok (Liger's autotune off: one config per kernel) |") and table[-1].endswith("| ok |")
+    assert readme._moe_path(row) == "Liger fused MoE (autotune off)" and readme._moe_path(tuned) == "Liger fused MoE"
+
+
 def test_parallel_autotune_compile_warms_each_tuning_key_once():
     """The MoE benchmark's parallel compile of an autotuned peer (Liger): at a tuning key's first call every
     config is compiled (warmed) before the autotuner's own benchmark and launch, once per key and only inside
