@@ -30,6 +30,7 @@ the tables). `--smoke`: the same at the smallest sizes (CI runs it: tests/test_b
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -294,11 +295,8 @@ def ptxas_calls(path: str) -> dict:
     ptxas, as torch's kernels; "jaxlib 90": XLA's own PTX; "jaxlib " with no version: `--version` queries)."""
     if not os.path.exists(path):
         return {}
-    calls: dict = {}
     with open(path) as f:
-        for line in f:
-            calls[line.rstrip("\n")] = calls.get(line.rstrip("\n"), 0) + 1
-    return calls
+        return dict(collections.Counter(f.read().splitlines()))
 
 
 def validation_summary(results: dict) -> str:
