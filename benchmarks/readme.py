@@ -37,6 +37,12 @@ PEERS = {
     "torchtitan (vstack + index)": "torchtitan's gather (a zero row stacked under x, then indexed)",
     "torchtitan (zeros + index_put)": "torchtitan's scatter (zeros, then index_put)",
 }
+# What the main table's columns mean, said once above every GPU kind's table.
+COLUMNS = ("Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, as a "
+           "fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, the "
+           "smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). *Slowest JAX "
+           "against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is as fast), both by "
+           "the profiler (device time per call, L2 flushed).")
 # The MoE benchmarks' path names, as the README's table shows them.
 MOE_PATHS = {"liger": "Liger fused MoE", "maxtext": "MaxText-style"}
 
@@ -222,15 +228,11 @@ def section(json_path: str, readme_dir: str) -> str:
                       f"{w['vs_peer']:.2f} at {w['shape']} ({w['peer']})" if w else "",
                       f"{j['jax']:.2f} at {j['shape']}" if j else ""])
     same = all(r.get("profile_us") for r in results["rows"] if r["impl"] in ("xkern (torch)", "xkern (jax)"))
-    out += ["", "Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, "
-            "as a fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, "
-            "the smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). "
-            "*Slowest JAX against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is "
-            "as fast)" + (", both by the profiler (device time per call, L2 flushed)." if same else
-                          "; this set timed JAX in a jitted loop and torch in CUDA graphs, not the one profiler "
-                          "method both use now."), ""]
-    out += _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
-                   "slowest against the best peer", "slowest JAX against torch"], lines)
+    if not same:
+        out += ["", "This set timed JAX in a jitted loop and torch in CUDA graphs, not the one profiler method both "
+                "use now."]
+    out += [""] + _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
+                          "slowest against the best peer", "slowest JAX against torch"], lines)
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
     if named:
         out += ["", "Peers: " + "; ".join(named) + "."]
@@ -259,7 +261,7 @@ def section(json_path: str, readme_dir: str) -> str:
 def body(readme_dir: str, results_dir: str | None = None) -> str:
     results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
     kinds = sorted(d for d in os.listdir(results_dir) if os.path.exists(os.path.join(results_dir, d, d + ".json")))
-    parts = ["One run of the main benchmark per GPU kind, at one commit ([method](docs/benchmarks.md)).", ""]
+    parts = ["One run of the main benchmark per GPU kind, at one commit ([method](docs/benchmarks.md)). " + COLUMNS, ""]
     for kind in kinds:
         parts.append(section(os.path.join(results_dir, kind, kind + ".json"), readme_dir))
     return "\n".join(parts)
