@@ -184,7 +184,7 @@ def _moe(folder: str, stem: str) -> list[str]:
     if lines:
         out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
                 "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's, compiled peaks for "
-                "JAX; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
+                "JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX faster; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
         out += _table(["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB",
                        "JAX / torch (xkern)"], lines)
     hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
