@@ -8,10 +8,10 @@
 # PARTS (default "torch jax hf") picks the steps; TORCH_ARGS goes to benchmarks.moe_layer (`--parts layer
 # --paths liger`: some rows of the results file in OUTDIR/<kind>/, the others kept), JAX_ARGS to
 # benchmarks.jax_moe_layer (`--mgpu-blocks $(cat DIR/mgpu-blocks-qwen3-moe.txt)`: tools.mgpu_probe's choice).
-# At the DeepSeek-V3 size one path's layer row takes about 2 minutes on an H100 and Liger's first (its
-# autotuner, 160 configs; compiled in parallel since, not yet timed) more than 8, so where a run has a time limit that size goes in pieces (docs/benchmarks.md, the MoE
-# layer step), then PARTS=jax (which reads the torch JSON). Autotuning results are cached
-# (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
+# At the DeepSeek-V3 size one path's layer row takes about 2 minutes on an H100 and Liger's first about 3
+# (its autotuner, 160 configs, compiled in parallel first), so where a run has a time limit that size goes
+# in pieces (docs/benchmarks.md, the MoE layer step), then PARTS=jax (which reads the torch JSON).
+# Autotuning results are cached (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
 set -u
 OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
