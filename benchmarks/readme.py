@@ -17,12 +17,11 @@ import glob
 import json
 import os
 
+from benchmarks import report
+
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
-# Row labels of result sets measured before the gathers' peers were named after torchtitan.
-RENAMED = {"previous (vstack + index)": "torchtitan (vstack + index)",
-           "previous (zeros + index_put)": "torchtitan (zeros + index_put)"}
 # What each peer's row label means, for the line under the table.
 PEERS = {
     "quack": "quack (CuTe DSL kernels)",
@@ -40,7 +39,9 @@ PEERS = {
 # What the main table's columns mean, said once above every GPU kind's table.
 COLUMNS = ("Device time of each call. *Fraction of ceiling*: the minimum bytes the op must move over its time, as a "
            "fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, the "
-           "smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape). *Slowest JAX "
+           "smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape), each pair by one "
+           "method (the torch peers' CUDA graphs against xkern's, the JAX peers' profiler times against xkern's). "
+           "*Slowest JAX "
            "against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is as fast), both by "
            "the profiler (device time per call, L2 flushed).")
 # The MoE benchmarks' path names, as the README's table shows them.
@@ -56,34 +57,11 @@ def _table(header: list[str], lines: list[list[str]]) -> list[str]:
                                                                            for ln in lines]
 
 
-def jax_speed(xk: dict, xj: dict | None) -> float | None:
-    """JAX's speed over torch's for xkern (torch µs / JAX µs; below 1, JAX is slower): by the same method,
-    the profiler's (`profile_us`), where both rows have it (results before it: the two rows' fractions)."""
-    if not xj:
-        return None
-    if xk.get("profile_us") and xj.get("profile_us"):
-        return xk["profile_us"] / xj["profile_us"]
-    return xj["frac"] / xk["frac"] if xj.get("frac") and xk.get("frac") else None
-
-
 def _ratios(rows) -> list[dict]:
-    """Per (op, pass, dtype, shape): best peer's time / xkern (torch)'s, and torch's time / JAX's."""
-    groups: dict = {}
-    for r in rows:
-        if r.get("sweep") or r.get("frac") is None:
-            continue
-        groups.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[RENAMED.get(r["impl"], r["impl"])] = r
-    out = []
-    for (op, pass_, dtype, shape), by in groups.items():
-        xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
-        if not xk:
-            continue
-        peers = [(r["frac"], name) for name, r in by.items() if not name.startswith("xkern")]
-        best, peer = max(peers) if peers else (None, None)
-        out.append({"key": (op, pass_, dtype), "shape": shape, "frac": xk["frac"], "peer": peer,
-                    "vs_peer": xk["frac"] / best if best else None,
-                    "jax": jax_speed(xk, xj)})
-    return out
+    """`report.ratios` of the main set's rows (the sweep's are its own table)."""
+    main = report.ratios([r for r in rows if not r.get("sweep")])
+    return [{"key": (r["op"], r["pass"], r["dtype"]), "shape": r["shape"], "frac": r["xkern"], "peer": r["best_peer"],
+             "vs_peer": r["ratio"], "jax": r["jax_ratio"]} for r in main]
 
 
 def _worst(sel, key):
@@ -184,7 +162,8 @@ def _moe(folder: str, stem: str) -> list[str]:
     if lines:
         out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
                 "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's, compiled peaks for "
-                "JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX faster; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
+                "JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX faster; JAX's experts' GEMM, the "
+                "same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
         out += _table(["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB",
                        "JAX / torch (xkern)"], lines)
     hf = os.path.join(folder, f"{stem}-hf-moe-step.json")

@@ -94,6 +94,23 @@ def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
     assert "| 0.92 at 32768×128 |" in text and "not the one profiler method" in text  # 14.6 / 15.9
 
 
+def test_best_peer_is_timed_as_xkern_is():
+    """The best peer's ratio compares like with like: a JAX peer's profiler time with xkern's profiler time, a
+    torch peer's CUDA-graph time with xkern's (through their fractions of the ceiling); the fastest wins."""
+    from benchmarks import report
+
+    row = {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [262144, 64], "status": "ok"}
+    xk = {**row, "impl": "xkern (torch)", "frac": 0.60, "us": 25.3, "profile_us": 24.1}
+    xla = {**row, "impl": "jax.jit (XLA)", "frac": 0.60 * 25.3 / 23.9, "us": 23.9, "profile_us": 23.9}
+    tc = {**row, "impl": "torch.compile", "frac": 0.60 * 25.3 / 25.2, "us": 25.2}
+    (r,) = report.ratios([xk, xla, tc])
+    assert r["best_peer"] == "jax.jit (XLA)" and abs(r["ratio"] - 23.9 / 24.1) < 1e-12  # not 23.9 / 25.3
+    (r,) = report.ratios([xk, {**xla, "profile_us": 24.5, "us": 24.5}, tc])
+    assert r["best_peer"] == "torch.compile" and abs(r["ratio"] - 25.2 / 25.3) < 1e-12
+    (r,) = report.ratios([xk, {**tc, "impl": "previous (vstack + index)"}])  # an older set's label, renamed
+    assert r["best_peer"] == "torchtitan (vstack + index)"
+
+
 def test_readme_section_summarises_the_side_results(tmp_path):
     """A GPU kind's README section sums up the JAX/torch profile and the MoE steps beside the main set, from the
     JSON each wrote: ratios computed from the rows, a row failing its FP32 check left out."""
