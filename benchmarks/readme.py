@@ -17,7 +17,7 @@ import glob
 import json
 import os
 
-from benchmarks import report
+from benchmarks.ratios import ratios
 
 BEGIN, END = "<!-- section: benchmarks -->", "<!-- /section: benchmarks -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,8 @@ def _table(header: list[str], lines: list[list[str]]) -> list[str]:
 
 
 def _ratios(rows) -> list[dict]:
-    """`report.ratios` of the main set's rows (the sweep's are its own table)."""
-    main = report.ratios([r for r in rows if not r.get("sweep")])
+    """`benchmarks.ratios.ratios` of the main set's rows (the sweep's are its own table)."""
+    main = ratios([r for r in rows if not r.get("sweep")])
     return [{"key": (r["op"], r["pass"], r["dtype"]), "shape": r["shape"], "frac": r["xkern"], "peer": r["best_peer"],
              "vs_peer": r["ratio"], "jax": r["jax_ratio"]} for r in main]
 
@@ -115,15 +115,15 @@ def _jax_torch(path: str, rel: str) -> list[str]:
         return []
     with open(path) as f:
         prof = json.load(f)
-    ratios = sorted((p["torch_over_jax"], f"{p['op']} {'×'.join(map(str, p['shape']))} {p['pass']}")
+    slowest = sorted((p["torch_over_jax"], f"{p['op']} {'×'.join(map(str, p['shape']))} {p['pass']}")
                     for p in prof.get("pairs", []))
-    if not ratios:
+    if not slowest:
         return []
     at = f" at {prof['commit'][:7]}" if prof.get("commit") else ""
     return ["", f"JAX against torch, both by the profiler (device time per call, L2 flushed; "
             f"`python -m tools.jax_torch_profile`{at}, [its table]({rel}-jax-torch-profile.txt)), on the "
-            f"{len(ratios)} shape-passes where the table above has JAX slowest: torch / JAX {ratios[0][0]:.2f}–"
-            f"{ratios[-1][0]:.2f} (slowest: {ratios[0][1]}; below 1, JAX slower)."]
+            f"{len(slowest)} shape-passes where the table above has JAX slowest: torch / JAX {slowest[0][0]:.2f}–"
+            f"{slowest[-1][0]:.2f} (slowest: {slowest[0][1]}; below 1, JAX slower)."]
 
 
 def _moe_rows(path: str, framework: str):

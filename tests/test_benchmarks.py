@@ -97,17 +97,17 @@ def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
 def test_best_peer_is_timed_as_xkern_is():
     """The best peer's ratio compares like with like: a JAX peer's profiler time with xkern's profiler time, a
     torch peer's CUDA-graph time with xkern's (through their fractions of the ceiling); the fastest wins."""
-    from benchmarks import report
+    from benchmarks.ratios import ratios
 
     row = {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [262144, 64], "status": "ok"}
     xk = {**row, "impl": "xkern (torch)", "frac": 0.60, "us": 25.3, "profile_us": 24.1}
     xla = {**row, "impl": "jax.jit (XLA)", "frac": 0.60 * 25.3 / 23.9, "us": 23.9, "profile_us": 23.9}
     tc = {**row, "impl": "torch.compile", "frac": 0.60 * 25.3 / 25.2, "us": 25.2}
-    (r,) = report.ratios([xk, xla, tc])
+    (r,) = ratios([xk, xla, tc])
     assert r["best_peer"] == "jax.jit (XLA)" and abs(r["ratio"] - 23.9 / 24.1) < 1e-12  # not 23.9 / 25.3
-    (r,) = report.ratios([xk, {**xla, "profile_us": 24.5, "us": 24.5}, tc])
+    (r,) = ratios([xk, {**xla, "profile_us": 24.5, "us": 24.5}, tc])
     assert r["best_peer"] == "torch.compile" and abs(r["ratio"] - 25.2 / 25.3) < 1e-12
-    (r,) = report.ratios([xk, {**tc, "impl": "previous (vstack + index)"}])  # an older set's label, renamed
+    (r,) = ratios([xk, {**tc, "impl": "previous (vstack + index)"}])  # an older set's label, renamed
     assert r["best_peer"] == "torchtitan (vstack + index)"
 
 
@@ -483,6 +483,7 @@ def test_jax_torch_table_compares_profile_times():
     """The report's JAX / torch table: xkern's two front ends by `profile_us`, torch µs / JAX µs, and whether
     they launched the same kernels; `ratios` takes the same ratio."""
     from benchmarks import report
+    from benchmarks.ratios import ratios
 
     def row(impl, us, names):
         return {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [8, 128], "impl": impl, "frac": 0.5,
@@ -491,7 +492,7 @@ def test_jax_torch_table_compares_profile_times():
     rows = [row("xkern (torch)", 9.0, ["k"]), row("xkern (jax)", 10.0, ["k"]), row("HF eager", 20.0, ["x", "y"])]
     (jt,) = report.jax_torch(rows)
     assert (jt["torch_us"], jt["jax_us"], jt["ratio"], jt["same_kernels"]) == (9.0, 10.0, 0.9, True)
-    assert report.ratios(rows)[0]["jax_ratio"] == 0.9
+    assert ratios(rows)[0]["jax_ratio"] == 0.9
     assert "torch / JAX" in "\n".join(report.jax_torch_table(rows))
 
 
