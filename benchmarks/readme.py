@@ -41,27 +41,15 @@ COLUMNS = ("Device time of each call. *Fraction of ceiling*: the minimum bytes t
            "fraction of the copy ceiling (1 = copy speed). *Slowest against the best peer*: over the shapes, the "
            "smallest ratio best peer's time / xkern's time (above 1: xkern is faster at every shape), each pair by one "
            "method (the torch peers' CUDA graphs against xkern's, the JAX peers' profiler times against xkern's). "
-           "*Slowest JAX "
-           "against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is as fast), both by "
-           "the profiler (device time per call, L2 flushed).")
+           "*Slowest JAX against torch*: the smallest ratio torch_api's time / jax_api's time (above 1: JAX is as "
+           "fast), both by the profiler (device time per call, L2 flushed).")
 # The MoE benchmarks' path names, as the README's table shows them.
 MOE_PATHS = {"liger": "Liger fused MoE", "maxtext": "MaxText-style"}
-
-
-def _shape(row) -> str:
-    return "×".join(str(d) for d in row["shape"]) if isinstance(row["shape"], list) else str(row["shape"])
 
 
 def _table(header: list[str], lines: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(ln) + " |"
                                                                            for ln in lines]
-
-
-def _ratios(rows) -> list[dict]:
-    """`benchmarks.ratios.ratios` of the main set's rows (the sweep's are its own table)."""
-    main = ratios([r for r in rows if not r.get("sweep")])
-    return [{"key": (r["op"], r["pass"], r["dtype"]), "shape": r["shape"], "frac": r["xkern"], "peer": r["best_peer"],
-             "vs_peer": r["ratio"], "jax": r["jax_ratio"]} for r in main]
 
 
 def _worst(sel, key):
@@ -195,17 +183,17 @@ def section(json_path: str, readme_dir: str) -> str:
         out[2] += " " + results["kernels_note"]
     if os.path.exists(os.path.join(folder, f"{stem}-rms_norm.png")):
         out += ["", f"![RMSNorm on {results['gpu']}]({rel}-rms_norm.png)"]
-    rs = _ratios(results["rows"])
+    rs = ratios([r for r in results["rows"] if not r.get("sweep")])  # the sweep: its own table
     lines, peers_seen = [], set()
-    for key in dict.fromkeys(r["key"] for r in rs):
-        sel = [r for r in rs if r["key"] == key]
-        w, j = _worst(sel, "vs_peer"), _worst(sel, "jax")
+    for key in dict.fromkeys((r["op"], r["pass"], r["dtype"]) for r in rs):
+        sel = [r for r in rs if (r["op"], r["pass"], r["dtype"]) == key]
+        w, j = _worst(sel, "ratio"), _worst(sel, "jax_ratio")
         if w:
-            peers_seen.add(w["peer"])
-        fr = [r["frac"] for r in sel]
+            peers_seen.add(w["best_peer"])
+        fr = [r["xkern"] for r in sel]
         lines.append([key[0], PASS_NAMES[key[1]], key[2], str(len(sel)), f"{min(fr):.2f}–{max(fr):.2f}",
-                      f"{w['vs_peer']:.2f} at {w['shape']} ({w['peer']})" if w else "",
-                      f"{j['jax']:.2f} at {j['shape']}" if j else ""])
+                      f"{w['ratio']:.2f} at {w['shape']} ({w['best_peer']})" if w else "",
+                      f"{j['jax_ratio']:.2f} at {j['shape']}" if j else ""])
     same = all(r.get("profile_us") for r in results["rows"] if r["impl"] in ("xkern (torch)", "xkern (jax)"))
     if not same:
         out += ["", "This set timed JAX in a jitted loop and torch in CUDA graphs, not the one profiler method both "
