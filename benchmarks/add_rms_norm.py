@@ -158,8 +158,10 @@ def _torch_calls(fn, pass_, sets):
 
 
 def _jax_calls(fn, pass_, sets):
-    """For timing.profile_device_us: one jitted call per input set, every output returned; in fwd+bwd the
-    cotangents wait for this call's outputs (an optimization barrier), as in a model."""
+    """For timing.profile_device_us: one jitted call per input set, every distinct output returned; in fwd+bwd
+    the cotangents wait for this call's outputs (an optimization barrier), as in a model. x and residual get
+    one gradient, d(x + residual): torch hands back one tensor for both and a model uses both inside its
+    jit, so the step returns it once (two jit outputs of one value would cost a copy that neither makes)."""
     import jax
 
     if pass_ == "fwd":
@@ -169,7 +171,8 @@ def _jax_calls(fn, pass_, sets):
     def step(args, cots):
         (y, s), vjp = jax.vjp(fn, *args)
         (y, s), cots = jax.lax.optimization_barrier(((y, s), tuple(cots)))
-        return (y, s), vjp(cots)
+        dx, _, dw = vjp(cots)
+        return (y, s), (dx, dw)
     f = jax.jit(step)
     return [functools.partial(f, tuple(args), tuple(cots)) for args, cots in sets]
 
