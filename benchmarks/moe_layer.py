@@ -3,8 +3,9 @@
     python -m benchmarks.moe_layer [--sizes deepseek-v3,qwen3-moe] [--tokens N] [--out DIR] [--smoke]
 
 The step: router (x @ W_r, softmax in FP32, top-k, renormalised) -> dispatch -> grouped expert GEMMs
-(SwiGLU: `torch._grouped_mm`) -> weighted combine, then the backward of a fixed cotangent into x and every
-weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of 16 rows, the
+(SwiGLU: `torch._grouped_mm`, each GEMM's backward making its weight gradient first and letting its input go
+before the input's gradient: `_grouped_linear`) -> weighted combine, then the backward of a fixed cotangent
+into x and every weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of 16 rows, the
 grouped GEMM's alignment), computed on the device: no host sync in the xkern, torchtitan and plain paths, so
 each step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py). The JAX step is
 `benchmarks/jax_moe_layer.py` (a process of its own).
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import sys
@@ -79,12 +81,56 @@ def grouped_mm(a, b, offs):
     return out
 
 
+def grouped_mm_weight_grad(a, g, offs, like):
+    """d(b) of `grouped_mm(a, b, offs)` for the output gradient g, in the layout of `like` (b): each expert's
+    a-block transposed times its g-block, as torch's own backward of `_grouped_mm` computes it."""
+    import torch
+
+    if like.stride(-2) == 1:  # b is a transposed weight ([E, N, K] contiguous): make d(b) in that layout
+        return grouped_mm_weight_grad(g, a, offs, like.transpose(-2, -1)).transpose(-2, -1)
+    if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a.t(), g, offs=offs)
+    out, start = a.new_zeros(offs.numel(), a.shape[1], g.shape[1]), 0
+    for e, end in enumerate(offs.tolist()):
+        out[e] = a[start:end].t() @ g[start:end]
+        start = end
+    return out
+
+
+@functools.cache
+def _grouped_linear():
+    import torch
+
+    class GroupedLinear(torch.autograd.Function):
+        """`grouped_mm(a, b, offs)` whose backward makes d(b) first and lets `a` go before it makes d(a).
+        torch's own node holds a, d(a) and d(b) at once: at the up projection (the step's peak, where dw13
+        is made) that is one [rows, H] buffer more than the gradient needs. Every path's experts use it."""
+
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.a, ctx.offs = a, offs  # not saved_tensors: the backward drops `a` midway
+            ctx.save_for_backward(b)
+            return grouped_mm(a, b, offs)
+
+        @staticmethod
+        def backward(ctx, g):
+            (b,), a, offs = ctx.saved_tensors, ctx.a, ctx.offs
+            del ctx.a
+            db = grouped_mm_weight_grad(a, g, offs, b) if ctx.needs_input_grad[1] else None
+            del a
+            da = grouped_mm(g, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+            return da, db, None
+
+    return GroupedLinear.apply
+
+
 def experts(xp, w13, w2, offs):
     """SwiGLU experts on the padded expert-major rows: w13 [E, 2I, H], w2 [E, H, I] (torchtitan's layout)."""
     import torch.nn.functional as F
 
-    gate, up = grouped_mm(xp, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+    linear = _grouped_linear()
+    gate, up = linear(xp, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2.transpose(-2, -1), offs)
 
 
 class Experts:

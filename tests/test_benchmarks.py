@@ -584,6 +584,62 @@ def test_moe_reference_check_fails_a_wrong_result():
     assert moe_layer.ref_check(jax_moe_layer.reference_errors(jinp, size["top_k"], jgot, False)).startswith("fail: out")
 
 
+def test_moe_experts_gemm_gradients_and_release():
+    """The experts' grouped GEMM node of the MoE benchmark: its gradients are autograd's through the same
+    blocks (both weights in their transposed layout, so no copy at accumulation; padding rows past the last
+    offset get no weight gradient), and it lets its input go before making d(input): the step's peak."""
+    import weakref
+
+    from benchmarks import moe_layer
+
+    g = torch.Generator().manual_seed(3)
+    offs = torch.tensor([3, 3, 9, 14], dtype=torch.int32)  # an empty expert; rows 14-15 are padding
+    a = torch.randn(16, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)  # [E, N, K]: used as w.T
+    dy = torch.randn(16, 6, generator=g, dtype=torch.float64)
+
+    def blocks(a, w):
+        outs, start = [], 0
+        for e, end in enumerate(offs.tolist()):
+            outs.append(a[start:end] @ w[e].t())
+            start = end
+        return torch.cat(outs + [a.new_zeros(16 - start, 6)])
+
+    want = torch.autograd.grad(blocks(a, w), (a, w), dy)
+    got = torch.autograd.grad(moe_layer._grouped_linear()(a, w.transpose(-2, -1), offs), (a, w), dy)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert got[1].is_contiguous()  # d(w) in w's own layout: AccumulateGrad keeps it without a copy
+
+    seen = {}
+
+    class Probe(torch.autograd.Function):  # holds a weak reference to the GEMM's input
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = Probe.apply(a)
+    seen["x"] = weakref.ref(x)
+    out = moe_layer._grouped_linear()(x, w.transpose(-2, -1), offs)
+    del x
+    real = moe_layer.grouped_mm
+
+    def watch(p, q, o):  # the d(input) product: by now the input is gone
+        seen["alive_at_da"] = seen["x"]() is not None
+        return real(p, q, o)
+
+    moe_layer.grouped_mm = watch
+    try:
+        torch.autograd.grad(out, (a, w), dy)
+    finally:
+        moe_layer.grouped_mm = real
+    assert seen["alive_at_da"] is False
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: `python -m benchmarks.jax_moe_layer` itself runs there")
 def test_jax_moe_layer_runs_both_paths(tmp_path):
     """`benchmarks.jax_moe_layer --smoke`: xkern's and MaxText's paths, the whole step and dispatch + combine,
