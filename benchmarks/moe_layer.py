@@ -116,6 +116,7 @@ def _grouped_linear():
         def backward(ctx, g):
             (b,), a, offs = ctx.saved_tensors, ctx.a, ctx.offs
             del ctx.a
+            g = g.contiguous()  # row-major, so that g.t() is a column-major operand of the grouped GEMM
             db = grouped_mm_weight_grad(a, g, offs, b) if ctx.needs_input_grad[1] else None
             del a
             da = grouped_mm(g, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
