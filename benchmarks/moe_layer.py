@@ -5,10 +5,10 @@
 The step: router (x @ W_r, softmax in FP32, top-k, renormalised) -> dispatch -> grouped expert GEMMs
 (SwiGLU: `torch._grouped_mm`, each GEMM's backward making its weight gradient first and letting its input go
 before the input's gradient: `_grouped_linear`) -> weighted combine, then the backward of a fixed cotangent
-into x and every weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of 16 rows, the
-grouped GEMM's alignment), computed on the device: no host sync in the xkern, torchtitan and plain paths, so
-each step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py). The JAX step is
-`benchmarks/jax_moe_layer.py` (a process of its own).
+into x and every weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of
+16 rows, the grouped GEMM's alignment), computed on the device: no host sync in the xkern, torchtitan and
+plain paths, so each step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py). The
+JAX step is `benchmarks/jax_moe_layer.py` (a process of its own).
 
 Dispatch + combine paths (the rest of the step is the same code):
 - xkern: the layout from the expert ids by `topk_permute_indices` (no sort), `permute_rows(x, idx, top_k=k)`
@@ -104,7 +104,8 @@ def _grouped_linear():
     class GroupedLinear(torch.autograd.Function):
         """`grouped_mm(a, b, offs)` whose backward makes d(b) first and lets `a` go before it makes d(a).
         torch's own node holds a, d(a) and d(b) at once: at the up projection (the step's peak, where dw13
-        is made) that is one [rows, H] buffer more than the gradient needs. Every path's experts use it."""
+        is made) that is one [rows, H] buffer more than the gradient needs. `experts` (every path's but
+        Liger's, which runs its own) uses it."""
 
         @staticmethod
         def forward(ctx, a, b, offs):

@@ -584,7 +584,7 @@ def test_moe_reference_check_fails_a_wrong_result():
     assert moe_layer.ref_check(jax_moe_layer.reference_errors(jinp, size["top_k"], jgot, False)).startswith("fail: out")
 
 
-def test_moe_experts_gemm_gradients_and_release():
+def test_moe_experts_gemm_gradients_and_release(monkeypatch):
     """The experts' grouped GEMM node of the MoE benchmark: its gradients are autograd's through the same
     blocks (both weights in their transposed layout, so no copy at accumulation; padding rows past the last
     offset get no weight gradient), and it lets its input go before making d(input): the step's peak."""
@@ -632,11 +632,8 @@ def test_moe_experts_gemm_gradients_and_release():
         seen["alive_at_da"] = seen["x"]() is not None
         return real(p, q, o)
 
-    moe_layer.grouped_mm = watch
-    try:
-        torch.autograd.grad(out, (a, w), dy)
-    finally:
-        moe_layer.grouped_mm = real
+    monkeypatch.setattr(moe_layer, "grouped_mm", watch)
+    torch.autograd.grad(out, (a, w), dy)
     assert seen["alive_at_da"] is False
 
 
