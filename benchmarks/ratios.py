@@ -5,8 +5,22 @@ timed by one method (the profiler's where both rows have it, else the CUDA graph
 from __future__ import annotations
 
 
-def _shape(row) -> str:
+def shape_label(row) -> str:
+    """A row's shape as the tables print it: 32768×128."""
     return "×".join(str(d) for d in row["shape"]) if isinstance(row["shape"], list) else str(row["shape"])
+
+
+def shape_key(row) -> tuple:
+    """(op, pass, dtype, shape): the rows of one measurement, one per implementation."""
+    return row["op"], row["pass"], row["dtype"], shape_label(row)
+
+
+def group_by_impl(rows, key) -> dict:
+    """key(row) -> {impl: row}, in the order first met."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(key(r), {})[r["impl"]] = r
+    return out
 
 
 # Row labels of result sets measured before the gathers' peers were named after torchtitan.
@@ -33,20 +47,12 @@ def peer_speed(xk: dict, peer: dict) -> float | None:
     return xk["frac"] / peer["frac"] if xk.get("frac") and peer.get("frac") else None
 
 
-def _grouped(rows) -> dict:
-    """(op, pass, dtype, shape) -> {impl: row}, in the order first met."""
-    out: dict = {}
-    for r in rows:
-        out.setdefault((r["op"], r["pass"], r["dtype"], _shape(r)), {})[r["impl"]] = r
-    return out
-
-
 def ratios(rows) -> list[dict]:
     """Per (op, pass, dtype, shape): the fastest peer's time over xkern (torch)'s (`ratio`, `peer_speed`: one
     timing method for each pair), and JAX over torch (`jax_speed`)."""
     out = []
     rows = [{**r, "impl": RENAMED.get(r["impl"], r["impl"])} for r in rows if r.get("frac") is not None]
-    for (op, pass_, dtype, shape), by in _grouped(rows).items():
+    for (op, pass_, dtype, shape), by in group_by_impl(rows, shape_key).items():
         xk, xj = by.get("xkern (torch)"), by.get("xkern (jax)")
         if not xk or not xk["frac"]:
             continue

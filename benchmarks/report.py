@@ -15,15 +15,11 @@ import argparse
 import json
 import os
 
-from benchmarks.ratios import ratios
+from benchmarks.ratios import group_by_impl, ratios, shape_key, shape_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASS_NAMES = {"fwd": "forward", "bwd": "backward alone", "fwd+bwd": "forward + backward"}
 FIGURES = {"rms_norm": ("rms_norm",), "permute": ("permute_rows", "unpermute_rows")}  # PNG -> its ops
-
-
-def _shape(row) -> str:
-    return "×".join(map(str, row["shape"]))
 
 
 def _cell(row) -> str:
@@ -52,11 +48,6 @@ def _group_rows(rows, key) -> dict:
     return out
 
 
-def _group(rows, key) -> dict:
-    """key(row) -> {impl: row}, in the order first met."""
-    return {k: {r["impl"]: r for r in group} for k, group in _group_rows(rows, key).items()}
-
-
 def _impls(rows) -> list[str]:
     """The implementations in `rows`: xkern's first, then the peers in the order met."""
     names = list(dict.fromkeys(r["impl"] for r in rows))
@@ -68,7 +59,7 @@ def _frac_table(rows, extra=()) -> list[str]:
     (title, fn({impl: row})) columns."""
     present = _impls(rows)
     lines = []
-    for (shape, _), by in _group(rows, lambda r: (_shape(r), r["dtype"])).items():
+    for (shape, _), by in group_by_impl(rows, lambda r: (shape_label(r), r["dtype"])).items():
         best = max((r["frac"] for r in by.values() if r["frac"] is not None), default=None)
         cells = [f"**{_cell(by.get(i))}**" if by.get(i) and by[i]["frac"] is not None and by[i]["frac"] == best
                  else _cell(by.get(i)) for i in present]
@@ -81,7 +72,7 @@ def jax_torch(rows) -> list[dict]:
     (`timing.profile_device_us`) and `ratio` = torch µs / JAX µs (below 1: JAX is slower)."""
     out = []
     mine = [r for r in rows if r.get("impl") in ("xkern (torch)", "xkern (jax)")]
-    for (op, pass_, dtype, shape), by in _group(mine, lambda r: (r["op"], r["pass"], r["dtype"], _shape(r))).items():
+    for (op, pass_, dtype, shape), by in group_by_impl(mine, shape_key).items():
         t, j = ((by.get(i) or {}).get("profile_us") for i in ("xkern (torch)", "xkern (jax)"))
         if t and j:
             names = [sorted(k["name"] for k in by[i].get("kernels", [])) for i in ("xkern (torch)", "xkern (jax)")]
@@ -132,7 +123,7 @@ def host_tables(results) -> list[str]:
                 "backward); each xkern call's own floor: its eager executor's allocations and launches with every "
                 "kernel empty (the rest of the call is its Python: checks, cache lookup, autograd).", ""]
         lines = []
-        for (op, pass_), by in _group(host, lambda h: (h["op"], h["pass"])).items():
+        for (op, pass_), by in group_by_impl(host, lambda h: (h["op"], h["pass"])).items():
             if op == "floor":
                 lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", "", ""] for impl, h in by.items()]
                 continue
@@ -246,9 +237,9 @@ def plot_fractions(results: dict, path: str, ops) -> str | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
     for ax, (op, pass_) in zip(axes[0], panels, strict=True):
         sel = [r for r in rows if r["op"] == op and r["pass"] == pass_]
-        shapes = list(dict.fromkeys(_shape(r) for r in sel))
+        shapes = list(dict.fromkeys(shape_label(r) for r in sel))
         for impl in [i for i in _impls(sel) if any(r["impl"] == i and r["frac"] is not None for r in sel)]:
-            by = {_shape(r): r["frac"] for r in sel if r["impl"] == impl}
+            by = {shape_label(r): r["frac"] for r in sel if r["impl"] == impl}
             ys = [by.get(s) if by.get(s) is not None else float("nan") for s in shapes]
             xkern = impl.startswith("xkern")
             ax.plot(range(len(shapes)), ys, "-o" if xkern else "--.", label=impl, linewidth=2 if xkern else 1)
