@@ -148,12 +148,13 @@ def _moe(folder: str, stem: str) -> list[str]:
                               f"{x['vs_torch_xkern']:.2f}" if x.get("vs_torch_xkern") else ""])
     out = []
     if lines:
+        jax_words = (", compiled peaks for JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX "
+                     "faster; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms))
+                     if gemms else "")  # a GPU kind with the torch steps alone
         out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
-                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's, compiled peaks for "
-                "JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX faster; JAX's experts' GEMM, the "
-                "same for both its paths: " + "; ".join(sorted(gemms)) + "):", ""]
-        out += _table(["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB",
-                       "JAX / torch (xkern)"], lines)
+                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's" + jax_words + "):", ""]
+        head = ["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB", "JAX / torch (xkern)"]
+        out += _table(head, lines) if gemms else _table(head[:-1], [line[:-1] for line in lines])
     hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
     if os.path.exists(hf):
         with open(hf) as f:
@@ -166,7 +167,14 @@ def _moe(folder: str, stem: str) -> list[str]:
     return out
 
 
-def section(json_path: str, readme_dir: str) -> str:
+def _peers_line(peers: set) -> list[str]:
+    named = [f"{p}: {PEERS[p]}" for p in sorted(peers) if p in PEERS]
+    return ["", "Peers: " + "; ".join(named) + "."] if named else []
+
+
+def section(json_path: str, readme_dir: str, peers: set | None = None) -> str:
+    """One GPU kind's part of README's benchmarks section. With `peers`, the peers its summary names are added
+    there for one legend after every kind's section; without, the legend follows its table."""
     with open(json_path) as f:
         results = json.load(f)
     folder = os.path.dirname(os.path.abspath(json_path))
@@ -200,9 +208,10 @@ def section(json_path: str, readme_dir: str) -> str:
                 "use now."]
     out += [""] + _table(["op", "pass", "dtype", "shapes", "xkern (torch), fraction of ceiling",
                           "slowest against the best peer", "slowest JAX against torch"], lines)
-    named = [f"{p}: {PEERS[p]}" for p in sorted(peers_seen) if p in PEERS]
-    if named:
-        out += ["", "Peers: " + "; ".join(named) + "."]
+    if peers is None:
+        out += _peers_line(peers_seen)
+    else:
+        peers |= peers_seen
     out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel)
     out += _moe(folder, stem)
     host_path = os.path.join(folder, stem + "-host.json")  # a later run of the host table alone, if any
@@ -229,9 +238,10 @@ def body(readme_dir: str, results_dir: str | None = None) -> str:
     results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
     kinds = sorted(d for d in os.listdir(results_dir) if os.path.exists(os.path.join(results_dir, d, d + ".json")))
     parts = ["One run of the main benchmark per GPU kind, at one commit ([method](docs/benchmarks.md)). " + COLUMNS, ""]
+    peers: set = set()
     for kind in kinds:
-        parts.append(section(os.path.join(results_dir, kind, kind + ".json"), readme_dir))
-    return "\n".join(parts)
+        parts.append(section(os.path.join(results_dir, kind, kind + ".json"), readme_dir, peers))
+    return "\n".join(parts + _peers_line(peers)[1:]) + "\n"
 
 
 def update(readme: str, text: str) -> bool:

@@ -2,7 +2,8 @@
 # .whl_quack/, installed once per machine into /tmp/xkern-site. Where a copy of the tree is limited to 64 MiB
 # the wheels come in two copies (docs/gpu-runs.md): .whl_quack/1 holds the first part of the libs-cu13 wheel,
 # kept in /tmp/q until .whl_quack/2 brings the rest and the other wheels. Without them quack's rows read
-# skipped; a failing install says so and changes nothing else.
+# skipped; a failing install says so and changes nothing else. A later copy without .whl_quack/ still finds
+# the installed quack (setup.sh sources this file on every GPU run).
 QUACK_CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 QUACK_SHA=50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90
 if [ -f .whl_quack/1/cu13.part.aa ]; then

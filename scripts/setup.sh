@@ -20,7 +20,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     fi
     export PYTHONPATH=/tmp/xkern-site:${PYTHONPATH:-}
   fi
-  if [ -d .whl_quack ]; then source "$ROOT/scripts/quack.sh"; fi  # quack, a benchmark peer, where carried
+  source "$ROOT/scripts/quack.sh"  # quack, a benchmark peer: installed where carried, on the path once installed
   export PYTHONPATH=$ROOT:${PYTHONPATH:-}
   # The GPU's kind, naming its logs and results: "NVIDIA H100 80GB HBM3" -> nvidia-h100, "NVIDIA H200" -> nvidia-h200
   GPU_KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr '[:upper:]' '[:lower:]' |

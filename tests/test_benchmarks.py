@@ -154,6 +154,31 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     assert "| rms_norm forward | 16×4096 bf16 | 10.4 | 10.0 | 1.04 |" in text and "its own run, commit later12" in text
 
 
+def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
+    """README's section over two GPU kinds: one peers legend after both (each kind's best peers named once);
+    a kind whose MoE steps ran in torch alone has no JAX words or column in its MoE table."""
+    from benchmarks import readme
+
+    row = {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [64, 128], "status": "ok"}
+    for kind, peer in (("gpu-a", "quack"), ("gpu-b", "Liger")):
+        (tmp_path / kind).mkdir()
+        rows = [{**row, "impl": "xkern (torch)", "frac": 0.8, "us": 10.0},
+                {**row, "impl": peer, "frac": 0.7, "us": 11.4}]
+        (tmp_path / kind / f"{kind}.json").write_text(json.dumps(
+            {"gpu": kind.upper(), "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": rows}))
+    base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
+    moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
+           "peak_mib": 12.0}]
+    (tmp_path / "gpu-b" / "gpu-b-moe-layer-s.json").write_text(json.dumps({"rows": moe}))
+    text = readme.body(str(tmp_path), str(tmp_path))
+    legends = [line for line in text.splitlines() if line.startswith("Peers: ")]
+    assert len(legends) == 1 and "Liger: " in legends[0] and "quack: " in legends[0]
+    assert text.index(legends[0]) > text.index("### GPU-B")
+    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 |\n" in text
+    assert "JAX" not in text.split("MoE layer step", 1)[1].split("|", 1)[0]  # the table's caption
+    assert "| front end | size | part | xkern | peers | xkern / fastest | peak MiB |\n" in text
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.block_profile` itself there")
 def test_block_profile_runs(tmp_path):

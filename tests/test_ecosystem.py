@@ -33,10 +33,11 @@ def _readme_blocks() -> list[str]:
 
 def test_readme_runs_every_python_block_and_stays_short():
     """Every Python block of the README is one the tests below run (those of its ecosystem section), and the
-    README stays a user's entry point (details live in docs/)."""
+    README stays a user's entry point (details live in docs/): about 100 lines of tables and figures for the two
+    GPU kinds' results, the rest prose and the examples."""
     text = (ROOT / "README.md").read_text()
     assert re.findall(r"```python\n(.*?)```", text, re.S) == _readme_blocks()
-    assert len(text.splitlines()) <= 290
+    assert len(text.splitlines()) <= 320
 
 
 # ---------------------------------------------------------------------------------------------------
