@@ -143,7 +143,9 @@ def _train_step(fn, leaves, cots):
     return torch.autograd.grad(fn(*leaves), leaves, cots)
 
 
-def _torch_calls(fn, pass_, sets):
+def torch_calls(fn, pass_, sets):
+    """For timing.torch_device_us: a maker of one call per input set ((x, residual, w), (dy, d(residual_out))),
+    the forward, or the forward and its gradients (fresh leaves each make)."""
 
     def make():
         calls = []
@@ -254,9 +256,9 @@ def add_rms_norm_table(device: str, ceiling: float, log, dtype: str = "bfloat16"
                         continue
                     try:
                         if framework == "torch":
-                            row["us"], row["timing"] = timing.torch_device_us(_torch_calls(fn, pass_, sets))
+                            row["us"], row["timing"] = timing.torch_device_us(torch_calls(fn, pass_, sets))
                             if name.startswith("xkern"):  # the JAX rows' method, for the JAX / torch ratio
-                                row.update(profile_fields(_torch_calls(fn, pass_, sets)(), timing.torch_sync))
+                                row.update(profile_fields(torch_calls(fn, pass_, sets)(), timing.torch_sync))
                         else:
                             row.update(profile_fields(_jax_calls(fn, pass_, jsets), timing.jax_sync))
                             row.update(us=row["profile_us"], timing=row["profile_timing"])

@@ -375,6 +375,7 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     results close to the plan's), and the plan is back in place afterwards."""
     from benchmarks import timing
     from tools import plan_probe
+    from xkern import add_rms_norm as XA
     from xkern.rms_norm import recipes as XR
 
     timing.set_smoke(True)
@@ -389,6 +390,9 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
                                      DEVICE, log=lambda *_: None)
         rows += plan_probe.time_case("bwd", 5, 16500, "bfloat16", [("cols", None, plan_probe.bwd_cols(2, 4096, 4, 8))],
                                      DEVICE, log=lambda *_: None)
+        add = plan_probe.time_case("fwd+bwd", 6, 64, "bfloat16", [("tile", None, plan_probe.bwd_tile(4, 1, 2)),
+                                                                  ("row", None, plan_probe.bwd_row(32, 2, 1, 2))],
+                                   DEVICE, log=lambda *_: None, op="add_rms_norm")
     finally:
         timing.set_smoke(False)
     assert [r["candidate"] for r in rows] == ["plan", "tile", "row", "plan (again)", "plan", "chunked", "split",
@@ -398,6 +402,23 @@ def test_plan_probe_times_candidates_and_restores_the_plan():
     table = plan_probe.summary(rows).splitlines()
     assert len(table) == 6 and table[2].startswith("| bwd | 40×64 | bfloat16 |"), table
     assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
+    # the fused add through the candidates: its y, residual_out's and x's gradients, w's: the plan's within bf16
+    assert [r["candidate"] for r in add] == ["plan", "tile", "row", "plan (again)"]
+    assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in add), add
+    assert plan_probe.summary(add).splitlines()[2].startswith("| add_rms_norm fwd+bwd | 6×64 | bfloat16 |")
+    assert XA.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XA.plan_rms_norm_fwd is plan_probe.PLAN_FWD
+    from xkern.rms_norm.kernels import FUSED, _rms_norm_bwd_row_kernel
+
+    def kernels():
+        recipe = XA.add_rms_norm_bwd_recipe(6, 64, 1e-6, "bfloat16", "bfloat16", "bfloat16", True)
+        return [step.launch.kernel for step in recipe.steps if step.launch]
+
+    plan_probe._use(bwd=plan_probe.bwd_row(32, 2, 1, 2))  # the fused add's recipe takes the candidate
+    try:
+        assert FUSED[_rms_norm_bwd_row_kernel] in kernels()
+    finally:
+        plan_probe._use()
+    assert FUSED[_rms_norm_bwd_row_kernel] not in kernels()
 
 
 def test_plan_probe_sets_build_their_launches():
@@ -407,7 +428,7 @@ def test_plan_probe_sets_build_their_launches():
     from tools import plan_probe
 
     for name, cases in plan_probe.candidate_sets().items():
-        for _, m, n, _, candidates in cases:
+        for _, m, n, _, candidates, *_ in cases:
             for label, fwd, bwd in candidates:
                 launch = fwd(m, n, 1e-6) if fwd else bwd(m, n, 1e-6).bwd
                 assert launch.grid[0] >= 1 and 1 <= launch.num_warps <= 32, (name, n, label)

@@ -4,13 +4,14 @@ front end's eager executors, a CUDA graph of the pass, `runner.torch_make_calls`
 reduction included, through the path users take. Each candidate's results are compared with the plan's
 (max abs difference; the suite checks the plan finally chosen against the oracle).
 
-    python -m tools.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split]
-                                    [--out DIR]
+    python -m tools.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split | h100
+                                      | add-bwd | ...] [--out DIR]
 
 Sets (docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
 persistent chunked kernel at 32768 and 65536; the forward's row kernel reading x twice at the widths it
-now takes in SPLIT blocks holding the row.
+now takes in SPLIT blocks holding the row; `add-bwd`: the fused add's forward + backward through the same
+backward plans.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 
 from benchmarks.rms_norm import SWEEP_WIDTHS as _SWEEP_WIDTHS
+from xkern import add_rms_norm as XA  # the fused add's recipes take RMSNorm's plans by name
 from xkern.launch import NUM_SMS, Launch, cdiv
 from xkern.rms_norm import BwdPlan, plan_dw_reduce, split_row
 from xkern.rms_norm import recipes as XR  # the recipes' module: where `_use` puts candidate plans
@@ -110,44 +112,55 @@ def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
 
 
 def _use(fwd=None, bwd=None) -> None:
-    """These plans in place of xkern's (None: the plan's) where the RMSNorm recipes take them, the recipes and torch
-    executors built on them dropped."""
+    """These plans in place of xkern's (None: the plan's) where the RMSNorm and fused-add recipes take them, the
+    recipes and torch executors built on them dropped."""
     from torch_api._launch import clear_executors
 
-    XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd = fwd or PLAN_FWD, bwd or PLAN_BWD
-    XR.rms_norm_fwd_recipe.cache_clear()
-    XR.rms_norm_bwd_recipe.cache_clear()
+    for module in (XR, XA):
+        module.plan_rms_norm_fwd, module.plan_rms_norm_bwd = fwd or PLAN_FWD, bwd or PLAN_BWD
+    for recipe in (XR.rms_norm_fwd_recipe, XR.rms_norm_bwd_recipe, XA.add_rms_norm_fwd_recipe,
+                   XA.add_rms_norm_bwd_recipe):
+        recipe.cache_clear()
     clear_executors()
 
 
-def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: str, log=print) -> list[dict]:
-    """Rows of device µs per call: the plan first (a None candidate), then each (name, fwd plan, bwd plan)."""
+def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: str, log=print,
+              op: str = "rms_norm") -> list[dict]:
+    """Rows of device µs per call: the plan first (a None candidate), then each (name, fwd plan, bwd plan).
+    `op` "add_rms_norm": the fused add through the same plans, timed as its table times it ("fwd", "fwd+bwd")."""
     import torch
 
     import torch_api  # noqa: F401 - registers torch_api.rms_norm
+    from benchmarks import add_rms_norm as BA
     from benchmarks import rms_norm as RN
     from benchmarks import timing
     from benchmarks.runner import Inputs, torch_make_calls
 
     g = torch.Generator(device=device).manual_seed(n)
-    x, cot = (torch.randn(m, n, generator=g, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    x, cot, r, cot_r = (torch.randn(m, n, generator=g, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
     w = torch.randn(n, generator=g, device=device, dtype=x.dtype)
+    if op == "add_rms_norm":
+        fn, args, cots = BA.xkern_torch, [x, r, w], (cot, cot_r)
+        make = BA.torch_calls(fn, pass_, [(args, cots)])
+    else:
+        fn, args, cots = RN.xkern_torch, [x, w], cot
+        make = torch_make_calls(fn, pass_, Inputs([(args, cot)]))
     rows, base = [], None
     try:
         # the plan again last: the first timing of a case has read 1-3 % slow (docs/benchmarks.md, entry 13)
         for name, fwd, bwd in [("plan", None, None), *candidates, ("plan (again)", None, None)]:
             _use(fwd, bwd)
-            row = {"pass": pass_, "shape": [m, n], "dtype": dtype, "candidate": name}
+            row = {"op": op, "pass": pass_, "shape": [m, n], "dtype": dtype, "candidate": name}
             try:
                 if pass_ == "fwd":
-                    got = [RN.xkern_torch(x, w)]
+                    got = fn(*args)
+                    got = list(got) if isinstance(got, tuple) else [got]
                 else:
-                    leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
-                    got = list(torch.autograd.grad(RN.xkern_torch(*leaves), leaves, cot))
+                    leaves = [a.detach().requires_grad_() for a in args]
+                    got = list(torch.autograd.grad(fn(*leaves), leaves, cots))
                 base = base or got
                 row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, base))
-                row["us"] = timing.torch_device_us(torch_make_calls(RN.xkern_torch, pass_, Inputs([([x, w], cot)])),
-                                                   eager_fallback=False)[0]
+                row["us"] = timing.torch_device_us(make, eager_fallback=False)[0]
             except Exception as err:  # noqa: BLE001 - a candidate that fails to compile or run is a result
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
             log(json.dumps(row))
@@ -246,6 +259,16 @@ def candidate_sets() -> dict:
                                           (4, 2048, 8, 2 * NUM_SMS), (8, 2048, 8, 2 * NUM_SMS),
                                           (4, 512, 2, 8 * NUM_SMS)]),
                            (1024, 65536, [(8, 1024, 4, 4 * NUM_SMS), (4, 2048, 8, 2 * NUM_SMS)]))],
+        # The fused add's forward + backward at 2048 wide, 0.97 of quack's fused add on the H200 (d8fcba3), where
+        # rms_norm's alone leads quack by 1.24: its backward reads a third stream (d(residual_out)) through
+        # RMSNorm's plan (one row a program, 8 warps, 4 programs per SM). More rows or programs in flight,
+        # and the row kernel; 4096 wide as a control. (BLOCK_M, warps, per SM) and (BLOCK_N, SPLIT, warps, per SM).
+        "add-bwd": [("fwd+bwd", (1 << 25) // w, w, "bfloat16",
+                     [(f"tile {bm}x{w} {nw}w {ps}/SM", None, bwd_tile(bm, nw, ps)) for bm, nw, ps in
+                      ((1, 8, 6), (1, 8, 8), (1, 4, 8), (2, 8, 4), (2, 16, 2))]
+                     + [(f"row {b}x{k} {nw}w {ps}/SM", None, bwd_row(b, k, nw, ps))
+                        for b, k, nw, ps in ((w, 1, 4, 4), (w, 1, 8, 2), (w, 1, 8, 4), (w // 2, 2, 4, 4))],
+                     "add_rms_norm") for w in (2048, 4096)],
         # Does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
@@ -258,7 +281,8 @@ def summary(rows: list[dict]) -> str:
     """Markdown: per case the plan's µs (the faster of its two timings), the fastest candidate and its gain."""
     cases: dict = {}
     for r in rows:
-        cases.setdefault((r["pass"], tuple(r["shape"]), r["dtype"]), []).append(r)
+        pass_ = r["pass"] if r.get("op", "rms_norm") == "rms_norm" else f"{r['op']} {r['pass']}"
+        cases.setdefault((pass_, tuple(r["shape"]), r["dtype"]), []).append(r)
     out = ["| pass | shape | dtype | plan µs | fastest candidate | µs | plan / it |", "|---|---|---|---|---|---|---|"]
     for (pass_, shape, dtype), rs in cases.items():
         timed = [r for r in rs if "us" in r]
@@ -282,7 +306,8 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timing.set_smoke(device == "cpu")  # CPU: runs once, no timing is a measurement
-    rows = [r for case in candidate_sets()[args.set] for r in time_case(*case, device)]
+    rows = [r for case in candidate_sets()[args.set] for r in time_case(*case[:5], device, op=case[5] if
+                                                                          len(case) > 5 else "rms_norm")]
     print(summary(rows))
     if args.out:
         with open(os.path.join(args.out, f"plan-probe-{args.set}.json"), "w") as f:
