@@ -137,9 +137,10 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
     from benchmarks.runner import Inputs, torch_make_calls
 
     g = torch.Generator(device=device).manual_seed(n)
-    x, cot, r, cot_r = (torch.randn(m, n, generator=g, device=device, dtype=getattr(torch, dtype)) for _ in range(4))
+    x, cot = (torch.randn(m, n, generator=g, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
     w = torch.randn(n, generator=g, device=device, dtype=x.dtype)
-    if op == "add_rms_norm":
+    if op == "add_rms_norm":  # the residual and residual_out's cotangent: two more [m, n] inputs
+        r, cot_r = (torch.randn(m, n, generator=g, device=device, dtype=x.dtype) for _ in range(2))
         fn, args, cots = BA.xkern_torch, [x, r, w], (cot, cot_r)
         make = BA.torch_calls(fn, pass_, [(args, cots)])
     else:
