@@ -33,7 +33,7 @@ PLAN_FWD, PLAN_BWD = XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd
 
 def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
     """The backward tile kernel with these tiles (the plan's kernel and BLOCK_N), its dw reduction resized."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * per_sm))
         bwd = dataclasses.replace(p.bwd, grid=(groups, n_batch), num_warps=num_warps,
@@ -42,9 +42,22 @@ def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
     return plan
 
 
+def bwd_scaled(rows: int, programs: float):
+    """RMSNorm's own backward plan (two streams read, whatever the call reads: the tile or split kernel) with
+    `rows` times its rows a tile and `programs` times its programs in flight, its dw reduction resized: the
+    same candidate at every width."""
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
+        p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
+        block_m = p.bwd.constexprs["BLOCK_M"] * rows
+        groups = max(2, min(cdiv(n_rows, block_m), int(p.bwd.grid[0] * programs)))
+        bwd = dataclasses.replace(p.bwd, grid=(groups, n_batch), constexprs={**p.bwd.constexprs, "BLOCK_M": block_m})
+        return BwdPlan(None, bwd, plan_dw_reduce(groups, n_cols, n_batch), groups)
+    return plan
+
+
 def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool = True):
     """The backward's row kernel (rows read twice) over SPLIT blocks of BLOCK_N, per_sm programs per SM."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         c = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant).bwd.constexprs
         fixed = {"EPS": float(eps), **{k: c[k] for k in ("ROW_ALIGN", "ONE_COL", "VARIANT")}}
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
@@ -59,7 +72,7 @@ def bwd_row_rule(per_thread: int, sm_warps: int):
     the row in power-of-two blocks with at most 1/8 masked (`split_row`, blocks of 64-4096, up to 16), the
     most warps (up to 32) giving each thread at least `per_thread` elements of the row, programs per SM
     filling `sm_warps` warps, w held in registers below 32 warps (at 32 ptxas caps a thread at 64)."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         block, split = split_row(n_cols, 4096, min_block=64, max_split=16)
         num_warps = min(32, 1 << max(0, (block * split // (32 * per_thread)).bit_length() - 1))
         return bwd_row(block, split, num_warps, max(1, sm_warps // num_warps), num_warps < 32)(
@@ -105,7 +118,7 @@ def fwd_tile(block_m: int, num_warps: int):
 def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
     """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of the rule's
     (`plan_rms_norm_bwd(cols_tile=)`)."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant,
                         cols_tile=(block_m, block_n, num_warps, programs))
     return plan
@@ -270,6 +283,16 @@ def candidate_sets() -> dict:
                      + [(f"row {b}x{k} {nw}w {ps}/SM", None, bwd_row(b, k, nw, ps))
                         for b, k, nw, ps in ((w, 1, 4, 4), (w, 1, 8, 2), (w, 1, 8, 4), (w // 2, 2, 4, 4))],
                      "add_rms_norm") for w in (2048, 4096)],
+        # The fused add's backward (three row streams read) at the widths of one-row tiles and 3-block splits,
+        # against RMSNorm's plan for two streams (1 x rows, 1 x programs): twice the rows a tile (the plan's
+        # rule at 512-2048 wide), 1.5 times the programs per SM, four times the rows (at 2048 wide the first
+        # two were 4-4.5 % faster on the H100); RMSNorm's backward alone at 1024 and 2048 as a control.
+        "add-bwd-widths": [("fwd+bwd", (1 << 25) // w, w, "bfloat16",
+                            [(f"{r} x rows, {p} x programs", None, bwd_scaled(r, p))
+                             for r, p in ((1, 1), (2, 1), (1, 1.5), (4, 1))],
+                            "add_rms_norm") for w in (512, 1024, 1536, 2048, 2560, 3072)]
+        + [("bwd", (1 << 26) // w, w, "bfloat16", [(f"{r} x rows, {p} x programs", None, bwd_scaled(r, p))
+                                                   for r, p in ((2, 1), (1, 1.5))]) for w in (1024, 2048)],
         # Does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
