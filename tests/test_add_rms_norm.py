@@ -88,6 +88,7 @@ CASES = [  # rows, width, x, residual, residual_dtype, variant, with residual_ou
     (33, 128, "float16", "float32", None, "gemma", True),
     (140, 8192, "bfloat16", "bfloat16", None, "llama", True),  # 132 programs: some take two tiles (prefetch)
     (1101, 2048, "bfloat16", "bfloat16", None, "llama", True),  # 2-row tiles: 551 over 528 programs, the last half
+    (5, 2600, "bfloat16", "bfloat16", None, "gemma", True),  # three blocks of 1024, 2-row tiles
     (3, 1000, "float32", "float32", None, "olmo2", False),
     (2, 1000, "bfloat16", "bfloat16", None, "none", True),
     (2, 5120, "bfloat16", "float32", None, "llama", False),
@@ -224,7 +225,7 @@ def test_empty_and_recipes_cache():
     assert [s.launch.kernel.fn.__name__ for s in plain.steps if s.launch] == ["_rms_norm_bwd_kernel",
                                                                               "_dw_reduce_kernel"]
     # residual_out's gradient, a third stream read: two rows a tile where RMSNorm's plan takes one
-    for width, rows in ((2048, 2), (1000, 2), (4096, 1), (128, 32)):
+    for width, rows in ((2048, 2), (1000, 2), (3072, 2), (4096, 1), (128, 32)):
         plain, fused = (add_rms_norm_bwd_recipe(4096, width, EPS, "bfloat16", "bfloat16", "bfloat16", d).steps[0]
                         for d in (False, True))
         assert plain.launch.constexprs["BLOCK_M"] * (2 if rows == 2 else 1) == fused.launch.constexprs["BLOCK_M"] \

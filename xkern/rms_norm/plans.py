@@ -51,9 +51,11 @@ _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 1
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
-# The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: at these
-# one-row tiles it takes two rows a tile, twice the bytes in flight per SM (docs/benchmarks.md, entry 22).
-BWD_TWO_ROW_BLOCKS = (512, 1024, 2048)
+# The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
+# width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
+# the bytes in flight per SM: 5-9 % faster at 512-2048 and 17-22 % at 2560-3072 on the H100, where RMSNorm's
+# own backward (two streams) was 2-3 % slower with two (docs/benchmarks.md, entry 22).
+BWD_TWO_ROW_MAX = 3072
 
 
 def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
@@ -179,7 +181,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                 block_n, split, num_warps, programs_per_sm = 1024, cdiv(n_cols, 1024), 4, 4
             elif 8192 < n_cols <= BWD_SPLIT_MAX:
                 block_n, split, num_warps, programs_per_sm = 4096, cdiv(n_cols, 4096), 16, 1
-        if streams > 2 and split == 1 and block_n in BWD_TWO_ROW_BLOCKS:
+        if streams > 2 and block_m == 1 and n_cols <= BWD_TWO_ROW_MAX:
             block_m = 2
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
