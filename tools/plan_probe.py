@@ -5,13 +5,13 @@ reduction included, through the path users take. Each candidate's results are co
 (max abs difference; the suite checks the plan finally chosen against the oracle).
 
     python -m tools.plan_probe [--set narrow-bwd | narrow-bwd-widths | wide-fwd | split-reload | wide-split | h100
-                                      | add-bwd | ...] [--out DIR]
+                                      | add-bwd | add-bwd-widths | ...] [--out DIR]
 
 Sets (docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps, programs per SM)
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
 persistent chunked kernel at 32768 and 65536; the forward's row kernel reading x twice at the widths it
 now takes in SPLIT blocks holding the row; `add-bwd`: the fused add's forward + backward through the same
-backward plans.
+backward plans; `add-bwd-widths`: its two-row backward tiles against RMSNorm's plan from 512 to 3072 wide.
 """
 
 from __future__ import annotations
@@ -285,8 +285,8 @@ def candidate_sets() -> dict:
                      "add_rms_norm") for w in (2048, 4096)],
         # The fused add's backward (three row streams read) at the widths of one-row tiles and 3-block splits,
         # against RMSNorm's plan for two streams (1 x rows, 1 x programs): twice the rows a tile (the plan's
-        # rule at 512-2048 wide), 1.5 times the programs per SM, four times the rows (at 2048 wide the first
-        # two were 4-4.5 % faster on the H100); RMSNorm's backward alone at 1024 and 2048 as a control.
+        # rule up to 3072 wide), 1.5 times the programs per SM, four times the rows; RMSNorm's backward alone
+        # at 1024 and 2048 as a control (docs/benchmarks.md, entry 22).
         "add-bwd-widths": [("fwd+bwd", (1 << 25) // w, w, "bfloat16",
                             [(f"{r} x rows, {p} x programs", None, bwd_scaled(r, p))
                              for r, p in ((1, 1), (2, 1), (1, 1.5), (4, 1))],
