@@ -11,7 +11,7 @@ Sets (docs/benchmarks.md entry 18): the narrow backward's tiles (BLOCK_M, warps,
 at 64 and 128 wide; the 64 tile at other widths and fp16; the widest forward's row kernel against the
 persistent chunked kernel at 32768 and 65536; the forward's row kernel reading x twice at the widths it
 now takes in SPLIT blocks holding the row; `add-bwd`: the fused add's forward + backward through the same
-backward plans; `add-bwd-widths`: two-row backward tiles for it against RMSNorm's plan from 512 to 3072 wide.
+backward plans; `add-bwd-widths`: its two-row backward tiles against RMSNorm's plan from 512 to 3072 wide.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PLAN_FWD, PLAN_BWD = XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd
 
 def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
     """The backward tile kernel with these tiles (the plan's kernel and BLOCK_N), its dw reduction resized."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * per_sm))
         bwd = dataclasses.replace(p.bwd, grid=(groups, n_batch), num_warps=num_warps,
@@ -43,9 +43,10 @@ def bwd_tile(block_m: int, num_warps: int, per_sm: int, prefetch: bool = True):
 
 
 def bwd_scaled(rows: int, programs: float):
-    """The plan's backward kernel (tile or split) with `rows` times its rows a tile and `programs` times its
-    programs in flight, its dw reduction resized: the same candidate at every width."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    """RMSNorm's own backward plan (two streams read, whatever the call reads: the tile or split kernel) with
+    `rows` times its rows a tile and `programs` times its programs in flight, its dw reduction resized: the
+    same candidate at every width."""
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         p = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant)
         block_m = p.bwd.constexprs["BLOCK_M"] * rows
         groups = max(2, min(cdiv(n_rows, block_m), int(p.bwd.grid[0] * programs)))
@@ -56,7 +57,7 @@ def bwd_scaled(rows: int, programs: float):
 
 def bwd_row(block_n: int, split: int, num_warps: int, per_sm: int, hold_w: bool = True):
     """The backward's row kernel (rows read twice) over SPLIT blocks of BLOCK_N, per_sm programs per SM."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         c = PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant).bwd.constexprs
         fixed = {"EPS": float(eps), **{k: c[k] for k in ("ROW_ALIGN", "ONE_COL", "VARIANT")}}
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
@@ -71,7 +72,7 @@ def bwd_row_rule(per_thread: int, sm_warps: int):
     the row in power-of-two blocks with at most 1/8 masked (`split_row`, blocks of 64-4096, up to 16), the
     most warps (up to 32) giving each thread at least `per_thread` elements of the row, programs per SM
     filling `sm_warps` warps, w held in registers below 32 warps (at 32 ptxas caps a thread at 64)."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         block, split = split_row(n_cols, 4096, min_block=64, max_split=16)
         num_warps = min(32, 1 << max(0, (block * split // (32 * per_thread)).bit_length() - 1))
         return bwd_row(block, split, num_warps, max(1, sm_warps // num_warps), num_warps < 32)(
@@ -117,7 +118,7 @@ def fwd_tile(block_m: int, num_warps: int):
 def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
     """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of the rule's
     (`plan_rms_norm_bwd(cols_tile=)`)."""
-    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama"):
+    def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
         return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant,
                         cols_tile=(block_m, block_n, num_warps, programs))
     return plan
@@ -283,9 +284,9 @@ def candidate_sets() -> dict:
                         for b, k, nw, ps in ((w, 1, 4, 4), (w, 1, 8, 2), (w, 1, 8, 4), (w // 2, 2, 4, 4))],
                      "add_rms_norm") for w in (2048, 4096)],
         # The fused add's backward (three row streams read) at the widths of one-row tiles and 3-block splits,
-        # against RMSNorm's plan, tuned for two (1 x rows, 1 x programs: the plan again): twice the rows a tile,
-        # 1.5 times the programs per SM, four times the rows; RMSNorm's backward alone at 1024 and 2048 as a
-        # control (docs/benchmarks.md, entry 22).
+        # against RMSNorm's plan for two streams (1 x rows, 1 x programs): twice the rows a tile (the plan's
+        # rule up to 3072 wide), 1.5 times the programs per SM, four times the rows; RMSNorm's backward alone
+        # at 1024 and 2048 as a control (docs/benchmarks.md, entry 22).
         "add-bwd-widths": [("fwd+bwd", (1 << 25) // w, w, "bfloat16",
                             [(f"{r} x rows, {p} x programs", None, bwd_scaled(r, p))
                              for r, p in ((1, 1), (2, 1), (1, 1.5), (4, 1))],

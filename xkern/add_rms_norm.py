@@ -93,7 +93,7 @@ def add_rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, 
     dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
     dres_row_stride = n_cols if dres_row_stride is None else dres_row_stride
     plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (res_row_stride, dy_row_stride, dres_row_stride, n_cols),
-                             n_batch, variant)
+                             n_batch, variant, streams=3 if has_dres else 2)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=res_row_stride, dy_row_stride=dy_row_stride,
                    dres_row_stride=dres_row_stride, dx_row_stride=n_cols)
     code = DTYPE_CODES[x_dtype]

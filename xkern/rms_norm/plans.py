@@ -51,6 +51,11 @@ _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 1
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
+# The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
+# width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
+# the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
+# RMSNorm's own backward (two streams) took 2-3 % more with two (docs/benchmarks.md, entry 22).
+BWD_TWO_ROW_MAX = 3072
 
 
 def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
@@ -134,11 +139,12 @@ class BwdPlan:
 
 
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
-                      n_batch: int = 1, variant: str = "llama", *,
+                      n_batch: int = 1, variant: str = "llama", *, streams: int = 2,
                       cols_tile: tuple[int, int, int, int] = BWD_COLS_TILE) -> BwdPlan:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
-    (default: contiguous); `variant` from check_variant (the math only, as in the forward); `cols_tile`: the
+    (default: contiguous); `variant` from check_variant (the math only, as in the forward); `streams`: the
+    [n_rows, n_cols] inputs the kernel reads (x and dy; 3 for the fused add's dres); `cols_tile`: the
     column split's (BLOCK_M, BLOCK_N, num_warps, programs) for rows wider than MAX_BWD_BLOCK (the rule;
     `tools.plan_probe` passes candidates)."""
     check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
@@ -175,6 +181,8 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
                 block_n, split, num_warps, programs_per_sm = 1024, cdiv(n_cols, 1024), 4, 4
             elif 8192 < n_cols <= BWD_SPLIT_MAX:
                 block_n, split, num_warps, programs_per_sm = 4096, cdiv(n_cols, 4096), 16, 1
+        if streams > 2 and block_m == 1 and n_cols <= BWD_TWO_ROW_MAX:
+            block_m = 2
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
         tile = {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
