@@ -293,6 +293,19 @@ def candidate_sets() -> dict:
                             "add_rms_norm") for w in (512, 1024, 1536, 2048, 2560, 3072)]
         + [("bwd", (1 << 26) // w, w, "bfloat16", [(f"{r} x rows, {p} x programs", None, bwd_scaled(r, p))
                                                    for r, p in ((2, 1), (1, 1.5))]) for w in (1024, 2048)],
+        # The fused add's forward at 4096-7168 wide, 1-2 µs behind quack's and Liger's (H100 table, 4 row streams:
+        # x, r, y, residual_out) through RMSNorm's forward plan: fewer elements per thread, and the row read
+        # twice (from residual_out in L2) or held, in SPLIT blocks of 1024 or 2048.
+        "add-fwd": [("fwd", (1 << 25) // w, w, "bfloat16",
+                     [(f"row {nw}w {'reload' if r else 'held'}", fwd_row(nw, r), None) for nw, r in rows]
+                     + [(f"{b}x{k} {nw}w {'reload' if r else 'held'}", fwd_split(b, k, nw, r), None)
+                        for b, k, nw, r in splits], "add_rms_norm")
+                    for w, rows, splits in (
+                        (4096, ((4, False), (16, False), (8, True), (16, True)),
+                         ((1024, 4, 4, False), (1024, 4, 8, False), (2048, 2, 8, False))),
+                        (5120, (), ((1024, 5, 8, False), (1024, 5, 8, True), (1024, 5, 4, True), (1024, 5, 16, False))),
+                        (7168, ((16, True), (32, False)),
+                         ((1024, 7, 8, False), (1024, 7, 16, False), (1024, 7, 8, True), (1024, 7, 4, True))))],
         # Does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
