@@ -306,6 +306,12 @@ def candidate_sets() -> dict:
                         (5120, (), ((1024, 5, 8, False), (1024, 5, 8, True), (1024, 5, 4, True), (1024, 5, 16, False))),
                         (7168, ((16, True), (32, False)),
                          ((1024, 7, 8, False), (1024, 7, 16, False), (1024, 7, 8, True), (1024, 7, 4, True))))],
+        # The 4096 block's warps, RMSNorm's forward and the fused add's together (the fused add's y is
+        # bitwise RMSNorm's of the sum, so both take one plan): 8 warps and the row read twice in the plan.
+        "fwd-4096-warps": [("fwd", (1 << s) // 4096, 4096, "bfloat16",
+                            [(f"row {nw}w {'reload' if r else 'held'}", fwd_row(nw, r), None)
+                             for nw, r in ((16, True), (16, False), (32, True), (4, False))], op)
+                           for s, op in ((26, "rms_norm"), (25, "add_rms_norm"), (24, "rms_norm"))],
         # Does reading x twice at wider warps (8 elements per thread per block) gain at five
         # blocks generally, as at 5120 (1.3 % and 0.8 % in two probes)?
         "fwd-five": [("fwd", (1 << 26) // w, w, "bfloat16", [(f"{b}x5 {nw}w reload", fwd_split(b, 5, nw), None)
