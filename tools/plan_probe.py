@@ -295,7 +295,7 @@ def candidate_sets() -> dict:
                                                    for r, p in ((2, 1), (1, 1.5))]) for w in (1024, 2048)],
         # The fused add's forward at 4096-7168 wide, 1-2 µs behind quack's and Liger's (H100 table, 4 row streams:
         # x, r, y, residual_out) through RMSNorm's forward plan: fewer elements per thread, and the row read
-        # twice (from residual_out in L2) or held, in SPLIT blocks of 1024 or 2048.
+        # twice (x and r again from L2, added again) or held, in SPLIT blocks of 1024 or 2048.
         "add-fwd": [("fwd", (1 << 25) // w, w, "bfloat16",
                      [(f"row {nw}w {'reload' if r else 'held'}", fwd_row(nw, r), None) for nw, r in rows]
                      + [(f"{b}x{k} {nw}w {'reload' if r else 'held'}", fwd_split(b, k, nw, r), None)
