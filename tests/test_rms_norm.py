@@ -443,28 +443,14 @@ def test_four_byte_elements_take_the_chunked_forward_above_32768():
         assert same_bits(a, b)
 
 
-def test_short_calls_hold_the_row_at_4096_and_8192():
-    """The forward reads the row twice at 4096 and 8192 wide only past FWD_HOLD_MAX_ELEMS elements (a short
-    call holds it: fewer, longer waves; entry 23 of docs/benchmarks.md); wider rows read twice at any size."""
-    from xkern.rms_norm.plans import FWD_HOLD_MAX_ELEMS
-
-    def reload(rows, width):
-        return plan_rms_norm_fwd(rows, width, EPS).constexprs["RELOAD"]
-
-    for width in (4096, 8192):
-        rows = FWD_HOLD_MAX_ELEMS // width
-        assert (reload(1, width), reload(rows, width), reload(rows + 1, width)) == (False, False, True)
-    assert reload(1, 32768) and reload(FWD_HOLD_MAX_ELEMS // 32768, 32768)
-    assert not reload(1 << 20, 2048) and not reload(1 << 20, 16384)
-
-
 @pytest.mark.parametrize("width, block, split", [(2560, 512, 5), (1536, 512, 3), (300, 64, 5), (65536, 16384, 4),
                                                   (2880, 1024, 3), (11008, 4096, 3), (4096, 4096, 1),
                                                   (8192, 8192, 1)])
 def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split):
     """The forward's row kernel over SPLIT blocks gives the same bits reading x a second time (RELOAD) as
     holding the row: the same sums in the same order (the split-reload plans of docs/benchmarks.md, entry 18,
-    checked here before any GPU time decides them; at 4096 and 8192 a short call holds the row, entry 23)."""
+    checked here before any GPU time decides them; at 4096 and 8192 the whole row in one block, as
+    `tools.plan_probe --set fwd-rows` times it)."""
     import dataclasses
 
     rows = 2

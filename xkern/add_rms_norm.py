@@ -125,9 +125,6 @@ def compile_variants():
             ptrs = {"X": pointer[x_dtype], "R": pointer[r_dtype], "W": pointer[x_dtype], "Y": pointer[x_dtype],
                     "RES_OUT": pointer[res_dtype]}
             yield from ((step.launch, ptrs) for step in fwd.steps if step.launch is not None)
-            if n_cols in (4096, 8192):  # a call of at most FWD_HOLD_MAX_ELEMS holds the row (RMSNorm's plan)
-                fwd = add_rms_norm_fwd_recipe(1000, n_cols, 1e-6, x_dtype, r_dtype, x_dtype, res_dtype)
-                yield from ((step.launch, ptrs) for step in fwd.steps if step.launch is not None)
             ptrs = {"X": pointer[res_dtype], "W": pointer[x_dtype], "DY": pointer[x_dtype], "DRES": pointer[res_dtype],
                     "DX": pointer[res_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[x_dtype], "STATS": "*fp32"}
             for has_dres in (True, False) if x_dtype != res_dtype else (True,):

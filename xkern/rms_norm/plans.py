@@ -37,12 +37,8 @@ BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
 FWD_TILE_BELOW = 768     # the forward takes rows narrower than this in tiles of several rows
 FWD_TILE_ELEMS = 2048    # a forward tile's elements (BLOCK_M x BLOCK_N) from 128 wide, 2 warps
 # Row-kernel widths that read x twice (RELOAD): faster there on the H200; at 16384 and up to 2048 holding
-# the row is as fast (numbers: docs/benchmarks.md, entry 7). At 4096 and 8192 a call of at most
-# FWD_HOLD_MAX_ELEMS holds the row: its programs fill the GPU a few times over at most, and the second
-# pass lengthens each one (6-11 % slower at 2**23-2**24 elements, 0.6 % faster at 2**25; entry 23).
-# Holding or reading twice gives the same bits.
+# the row is as fast (numbers: docs/benchmarks.md, entry 7).
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
-FWD_HOLD_MAX_ELEMS = 1 << 24
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
 # Backward tiles of narrow rows by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH): many rows per
@@ -116,9 +112,8 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
             return Launch(_rms_norm_fwd_row_kernel, (n_rows,), num_warps,
                           {**fixed, "BLOCK_N": block, "SPLIT": split, "RELOAD": split == 3})
         # powers of two: 16 elements per thread up to 16384, then 32 warps
-        reload = block_n in _FWD_RELOAD and (block_n > 8192 or n_rows * n_cols > FWD_HOLD_MAX_ELEMS)
         return Launch(_rms_norm_fwd_row_kernel, (n_rows,), min(32, block_n // 512),
-                      {**fixed, "BLOCK_N": block_n, "SPLIT": 1, "RELOAD": reload})
+                      {**fixed, "BLOCK_N": block_n, "SPLIT": 1, "RELOAD": block_n in _FWD_RELOAD})
     # Narrower rows: tiles of several rows, so that 2-warp programs keep enough bytes in flight per SM
     # within its 32-program limit (docs/benchmarks.md, entries 9 and 10).
     if block_n <= 64:  # 1024-element tiles, 1 warp at 64
