@@ -147,16 +147,17 @@ def time_case(pass_: str, m: int, n: int, dtype: str, candidates: list, device: 
     from benchmarks import add_rms_norm as BA
     from benchmarks import rms_norm as RN
     from benchmarks import timing
-    from benchmarks.runner import Inputs, torch_make_calls
+    from benchmarks.runner import Case, Inputs, torch_make_calls
 
     g = torch.Generator(device=device).manual_seed(n)
     t = getattr(torch, dtype)
     w = torch.randn(n, generator=g, device=device, dtype=t)
-    # Input sets rotated as the benchmark rotates them (timing.n_sets): one set of a small shape sits in L2,
-    # where the same binary's timings differed by up to 12 % with the call's place in the probe.
-    streams = 4 if op == "add_rms_norm" else 2  # [m, n] tensors a forward reads and writes
+    # Input sets rotated as the benchmark rotates them (its forward's bytes, timing.n_sets): one set of a small
+    # shape sits in L2, where the same binary's timings differed by up to 12 % with the call's place in the probe.
+    fwd_bytes = (BA.min_bytes(m, n, t.itemsize, "fwd") if op == "add_rms_norm"
+                 else RN.min_bytes(Case("rms_norm", (m, n), dtype, ()), "fwd"))
     sets = []
-    for _ in range(timing.n_sets(streams * m * n * t.itemsize)):
+    for _ in range(timing.n_sets(fwd_bytes)):
         x, cot = (torch.randn(m, n, generator=g, device=device, dtype=t) for _ in range(2))
         if op == "add_rms_norm":  # the residual and residual_out's cotangent: two more [m, n] inputs
             r, cot_r = (torch.randn(m, n, generator=g, device=device, dtype=t) for _ in range(2))
