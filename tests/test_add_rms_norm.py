@@ -1,8 +1,8 @@
 """Fused residual add + RMSNorm (`add_rms_norm`), both front ends, against the FP64 oracle.
 
 Widths cover each kernel the plans take: 128 (tile kernels), 1000 (forward tile of one row, backward tile),
-5120 (forward 5 x 1024 split row, backward tile), 16384 (row kernels), 20000 (chunked forward, stats + column
-backward). Outputs of the kernels are NaN-poisoned first (every element must be written). CPU cost is kept low:
+5120 (forward 5 x 1024 split row, backward tile), 16384 (row kernels), 24000 (forward in 6 blocks, backward
+row kernel in 6 x 4096), 20000 with an fp32 residual (chunked forward, stats + column backward). Outputs of the kernels are NaN-poisoned first (every element must be written). CPU cost is kept low:
 few rows, the wide widths once each (torch and JAX launch the same binaries: tests/test_launch_parity.py).
 """
 
@@ -95,6 +95,7 @@ CASES = [  # rows, width, x, residual, residual_dtype, variant, with residual_ou
     (2, 5120, "bfloat16", "float32", None, "llama", False),
     (1, 16384, "bfloat16", "bfloat16", "float32", "llama", True),
     (1, 20000, "bfloat16", "float32", None, "llama", True),
+    (2, 24000, "bfloat16", "bfloat16", None, "gemma", True),
 ]
 
 

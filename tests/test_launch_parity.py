@@ -119,7 +119,8 @@ def _child() -> None:
             t["w"] = t["x"]
         fwd = plan_rms_norm_fwd(rows, n, eps, (n, n), 4 if "float32" in (x_dt, w_dt) and variant != "none" else 2,
                                 variant)
-        bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n), variant=variant)
+        bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n), variant=variant,
+                                itemsize=4 if "float32" in (x_dt, y_dt) else 2)  # x's and dy's, as the recipe
         partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
         stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
         scalars = dict(n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)

@@ -114,8 +114,9 @@ def test_jax_bitwise_equals_torch(dtype, width):
 @pytest.mark.parametrize("width", [300, 2880, 5000, 9000, 13000, 20000, pytest.param(40000, marks=SLOW),
                                    pytest.param(70000, marks=SLOW)])  # forward row kernel in
 # blocks (5000, 9000, 20000), in three read twice, the last ragged (2880: gpt-oss), and with its reload (13000,
-# 40000); backward tiles with the prefetch (300, 5000), in 3
-# blocks of 4096 (9000), backward row kernel (13000); column-split backward (20000 up); chunked forward (70000)
+# 40000); backward tiles with the prefetch (300), in 3 blocks of 4096 (9000), backward row kernel in one block
+# (13000), in 5 x 1024 (5000) and 5 x 4096 (20000); column-split backward (40000 up; in the default tier the
+# fused add's with an fp32 residual, tests/test_add_rms_norm.py); chunked forward (70000)
 def test_wide_rows_and_chunked_paths(width):
     x, w, dy = _inputs(_rng("wide", width), (3, width), "bfloat16")
     torch_out = _torch_run(x, w, dy, EPS)
@@ -507,34 +508,45 @@ def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, nu
 
 
 def test_split_rows_cover_every_width_within_the_register_budget():
-    """Every width from 1 to 20000: the row kernels' SPLIT blocks cover the row exactly once (the last block
-    may be ragged, never empty) and hold at most 40 (forward) or 24 (backward) elements per thread per tensor;
-    a power of two is one block."""
-    from xkern.rms_norm import split_row
+    """Every width from 1 to 33000, 2- and 4-byte rows: the row kernels' SPLIT blocks cover the row exactly once
+    (the last block may be ragged, never empty) and hold at most 40 (forward), 24 (backward tiles, a row) or, in the
+    backward's row kernel, 40 elements per thread per tensor with w held and 64 re-reading it (32768: its
+    dw partials spill 248 bytes, timed faster than the column split); a power of two is one block below
+    the backward's wide rows (MAX_BWD_BLOCK)."""
+    from xkern.rms_norm import MAX_BWD_BLOCK, max_bwd_row, split_row
 
     assert [split_row(n, 4096) for n in (896, 2560, 5120, 12288, 16384)] == [
         (1024, 1), (512, 5), (1024, 5), (4096, 3), (16384, 1)]
-    for n in range(1, 20001):
-        for plan in (plan_rms_norm_fwd(1000, n, EPS), plan_rms_norm_bwd(1000, n, EPS).bwd):
+    assert (max_bwd_row(), max_bwd_row(4), max_bwd_row(2, 3), max_bwd_row(4, 3)) == (32768, 18432, 28672, 16384)
+    for n in range(1, 33001):
+        plans = [plan_rms_norm_fwd(1000, n, EPS)]
+        plans += [plan_rms_norm_bwd(1000, n, EPS, itemsize=size, streams=streams).bwd
+                  for size in (2, 4) for streams in (2, 3)]
+        for plan in plans:
             block, split = plan.constexprs["BLOCK_N"], plan.constexprs.get("SPLIT", 1)
             if "SPLIT" not in plan.constexprs:
                 continue
             assert (split - 1) * block < n <= split * block, (n, plan)
-            per_thread = plan.constexprs.get("BLOCK_M", 1) * block * split // (32 * plan.num_warps)
-            limit = 40 if plan.kernel.fn.__name__.startswith("_rms_norm_fwd") else 24
+            per_thread = block * split // (32 * plan.num_warps)  # a row's (the fused add's tiles take two)
+            name = plan.kernel.fn.__name__
+            limit = 40 if name.startswith("_rms_norm_fwd") or plan.constexprs.get("HOLD_W") else \
+                64 if name == "_rms_norm_bwd_row_kernel" else 24
             assert split == 1 or per_thread <= limit, (n, plan)
-            assert n & (n - 1) or split == 1, (n, plan)
+            assert n & (n - 1) or split == 1 or n > MAX_BWD_BLOCK, (n, plan)
 
 
 # Both sides of every regime boundary of the plans (docs/design.md): the forward's tiles of 1024 | 2048 elements
 # (64 | 65) and its tiles | one row per program (767 | 768); the backward's narrow tiles | one-row tiles
 # (256 | 257), its power-of-two blocks | three blocks of 1024 (2048 | 2049, 3072 | 3073) | three of 4096
-# (8192 | 8193), its tile kernels | row kernel (12288 | 12289) | statistics and a column split (16384 | 16385).
-# From 8192 they are slow tests (the default tier runs 9000, 13000 and 20000 in test_wide_rows_and_chunked_paths),
-# as are the widest forward boundaries (chunked above 65536, or above 32768 with 4-byte elements:
-# test_wide_rows_and_chunked_paths, test_four_byte_elements_take_the_chunked_forward_above_32768).
+# (8192 | 8193), its tile kernels | row kernel (12288 | 12289), its tile | row kernel in 5 x 1024 (4479 | 4480,
+# 5120 | 5121), the row kernel in one block | 2048-element blocks (16384 | 16385) | 4096-element blocks, w held
+# (18432 | 18433) | w re-read (20480 | 20481) | statistics and a column split (32768 | 32769).
+# From 4479 they are slow tests (the default tier runs 5000, 9000, 13000 and 20000 in
+# test_wide_rows_and_chunked_paths), as are the widest forward boundaries (chunked above 65536, or above 32768
+# with 4-byte elements: test_wide_rows_and_chunked_paths, test_four_byte_elements_take_the_chunked_forward_above_32768).
 BOUNDARIES = [64, 65, 767, 768, 256, 257, 2048, 2049, 3072, 3073,
-              *(pytest.param(n, marks=SLOW) for n in (8192, 8193, 12288, 12289, 16384, 16385))]
+              *(pytest.param(n, marks=SLOW) for n in (4479, 4480, 5120, 5121, 8192, 8193, 12288, 12289, 16384, 16385,
+                                                      18432, 18433, 20480, 20481, 32768, 32769))]
 
 
 @pytest.mark.parametrize("width", BOUNDARIES)
@@ -550,15 +562,15 @@ def test_regime_boundaries_match_the_oracle(width):
 def test_launch_counts():
     """Launches per call at widths from 1 to 70000 (docs/design.md's contract; the plans may change kernel,
     tile or split freely): the forward one; the backward two (the joint backward, then the dw reduction) up
-    to MAX_BWD_BLOCK wide and three above (a statistics pass first); without a weight no reduction; an empty
+    to max_bwd_row wide and three above (a statistics pass first); without a weight no reduction; an empty
     input none. Row and column counts past the kernels' int32 numbering raise, naming x."""
-    from xkern.rms_norm import MAX_BWD_BLOCK, rms_norm_bwd_recipe, rms_norm_fwd_recipe
+    from xkern.rms_norm import max_bwd_row, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
     def launches(recipe):
         return sum(step.launch is not None for step in recipe.steps)
 
-    for n in [*range(1, 70001, 37), MAX_BWD_BLOCK, MAX_BWD_BLOCK + 1]:
-        stats = n > MAX_BWD_BLOCK
+    for n in [*range(1, 70001, 37), max_bwd_row(), max_bwd_row() + 1]:
+        stats = n > max_bwd_row()
         assert launches(rms_norm_fwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 1, n
         assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 2 + stats, n
         assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", None, variant="none")) == 1 + stats, n

@@ -80,6 +80,13 @@ def bwd_row_rule(per_thread: int, sm_warps: int):
     return plan
 
 
+def bwd_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", *, streams=2, itemsize=2, **_):
+    """The backward's plan before its wide-row and five-block rules: what it plans for 4-byte rows and three
+    streams (the tiles at 4480-5120; statistics and the column split above 16384), which launch the same
+    binaries for 2-byte rows."""
+    return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=max(3, streams), itemsize=4)
+
+
 def fwd_row(num_warps: int, reload: bool):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         p = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant)
@@ -116,10 +123,10 @@ def fwd_tile(block_m: int, num_warps: int):
 
 
 def bwd_cols(block_m: int, block_n: int, num_warps: int, programs: int):
-    """The column-split backward (rows wider than MAX_BWD_BLOCK) with this tile in place of the rule's
-    (`plan_rms_norm_bwd(cols_tile=)`)."""
+    """The column-split backward (rows wider than MAX_BWD_BLOCK, as `bwd_before` plans them) with this tile in
+    place of the rule's (`plan_rms_norm_bwd(cols_tile=)`)."""
     def plan(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", **_):
-        return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant,
+        return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=3, itemsize=4,
                         cols_tile=(block_m, block_n, num_warps, programs))
     return plan
 
@@ -268,6 +275,65 @@ def candidate_sets() -> dict:
         "bwd-row-rule": [("bwd", (1 << 26) // w, w, dt, rules) for w, dt in
                          [(w, "bfloat16") for w in _SWEEP_WIDTHS if 512 <= w <= 24576]
                          + [(7168, "float16"), (16384, "float16")]],  # fp16's two backward widths under 0.85
+        # The row kernel where `bwd-row` found it ahead of the plan (5120; 18432 and 24576, where the plan
+        # reads x and dy twice from DRAM) and past 24576, where its dw partials spill (176-250 bytes a thread
+        # at 32768): (BLOCK_N, SPLIT, warps, per SM, hold w).
+        "bwd-row-wide": [("bwd", (1 << 26) // w, w, "bfloat16",
+                          [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
+                           for b, k, nw, ps, h in c])
+                         for w, c in ((5120, [(1024, 5, 4, 3, True), (1024, 5, 4, 4, False), (1024, 5, 8, 2, False)]),
+                                      (18432, [(2048, 9, 32, 1, True), (2048, 9, 32, 1, False)]),
+                                      (20480, [(4096, 5, 32, 1, True), (4096, 5, 32, 1, False)]),
+                                      (24576, [(4096, 6, 32, 1, False), (4096, 6, 32, 1, True)]),
+                                      (32768, [(4096, 8, 32, 1, False), (4096, 8, 16, 1, False),
+                                               (2048, 16, 32, 1, False), (4096, 8, 32, 1, True)]),
+                                      (65536, [(8192, 8, 32, 1, False), (4096, 16, 32, 1, False)]))],
+        # The row kernel's warps at 16385-32768 (16 warps: 128 registers a thread, the dw partials of 32768
+        # spill 248 bytes; 32 warps: 64), fp32 rows, and the fused add's backward (three streams) through it.
+        "bwd-row-wide-2": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w, dt,
+                            [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
+                             for b, k, nw, ps, h in c], op)
+                           for w, dt, op, c in (
+                               (18432, "bfloat16", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, True),
+                                                                (2048, 9, 16, 1, False)]),
+                               (24576, "bfloat16", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, True),
+                                                                (4096, 6, 16, 1, False)]),
+                               (28672, "bfloat16", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
+                               (32768, "bfloat16", "rms_norm", [(4096, 8, 16, 1, False), (8192, 4, 16, 1, False),
+                                                                (4096, 8, 16, 1, True)]),
+                               (18432, "float32", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
+                               (32768, "float32", "rms_norm", [(4096, 8, 16, 1, False)]),
+                               (5120, "float32", "rms_norm", [(1024, 5, 4, 3, True)]),
+                               (5120, "bfloat16", "add_rms_norm", [(1024, 5, 4, 3, True)]),
+                               (18432, "bfloat16", "add_rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
+                               (32768, "bfloat16", "add_rms_norm", [(4096, 8, 16, 1, False)]))],
+        # What a rule for the row kernel at 16385-32768 (and 5120) still needs: the widths and dtypes between
+        # those above, and the fused add's backward with residual_out's gradient (three streams).
+        "bwd-row-wide-3": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w,
+                            dt, [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
+                                 for b, k, nw, ps, h in c], op)
+                           for w, dt, op, c in (
+                               (16896, "bfloat16", "rms_norm", [(2048, 9, 16, 1, True)]),
+                               (20480, "bfloat16", "rms_norm", [(4096, 5, 16, 1, True), (4096, 5, 16, 1, False)]),
+                               (24576, "float16", "rms_norm", [(4096, 6, 16, 1, False)]),
+                               (4608, "bfloat16", "rms_norm", [(1024, 5, 4, 3, True)]),
+                               (18432, "float32", "rms_norm", [(2048, 9, 16, 1, True)]),
+                               (20480, "float32", "rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, False)]),
+                               (24576, "float32", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False)]),
+                               (28672, "float32", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
+                               (18432, "bfloat16", "add_rms_norm", [(2048, 9, 16, 1, True)]),
+                               (20480, "bfloat16", "add_rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, True)]),
+                               (24576, "bfloat16", "add_rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False),
+                                                                    (4096, 6, 32, 1, False)]),
+                               (28672, "bfloat16", "add_rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]))],
+        # The plan's wide-row and five-block backward rules (docs/benchmarks.md, entry 23) against the plan
+        # before them, which `bwd_before` rebuilds.
+        "bwd-wide-rule": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w,
+                           dt, [("plan before the rule", None, bwd_before)], op)
+                          for w, dt, op in [(w, "bfloat16", "rms_norm") for w in (4608, 5120, 16896, 18432, 20480,
+                                                                                 24576, 28672, 32768)]
+                          + [(18432, "float32", "rms_norm"), (18432, "float16", "rms_norm")]
+                          + [(w, "bfloat16", "add_rms_norm") for w in (20480, 24576, 28672)]],
         # The H100's main set (2026-12-05; docs/benchmarks.md, the H100 set) fell more than 2 % behind the best
         # peer only at the narrowest forwards (64 and 128 wide; XLA, torch.compile) and the column-split
         # backward above 16384 (quack): the tiles there. Run on the H100 and the H200 alike.

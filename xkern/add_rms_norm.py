@@ -92,8 +92,9 @@ def add_rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, 
     res_row_stride = n_cols if res_row_stride is None else res_row_stride
     dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
     dres_row_stride = n_cols if dres_row_stride is None else dres_row_stride
+    itemsize = max(ITEMSIZE[d] for d in (res_dtype, out_dtype_name(x_dtype, w_dtype, variant)))  # x's and dy's
     plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (res_row_stride, dy_row_stride, dres_row_stride, n_cols),
-                             n_batch, variant, streams=3 if has_dres else 2)
+                             n_batch, variant, streams=3 if has_dres else 2, itemsize=itemsize)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=res_row_stride, dy_row_stride=dy_row_stride,
                    dres_row_stride=dres_row_stride, dx_row_stride=n_cols)
     code = DTYPE_CODES[x_dtype]
@@ -117,7 +118,8 @@ def compile_variants():
     # The fused residual add (add_rms_norm): each kernel at every BLOCK_N its plan takes, plus the split
     # widths, for equal 16-bit dtypes and for an fp32 residual stream (x bf16, residual and residual_out fp32;
     # its backward rounds `normed` to bf16 while reading fp32), with and without residual_out's gradient.
-    fused_widths = [1 << k for k in range(4, 17)] + [80, 3072, 5120, 7168, 12288, 20000, MAX_FWD_BLOCK + 1]
+    fused_widths = [1 << k for k in range(4, 17)] + [80, 3072, 5120, 7168, 12288, 18432, 20000, 28672, 28673,
+                                                     MAX_FWD_BLOCK + 1]
     for x_dtype, r_dtype in (("bfloat16", "bfloat16"), ("bfloat16", "float32")):
         res_dtype = promote(x_dtype, r_dtype)
         for n_cols in fused_widths:

@@ -28,7 +28,7 @@ from xkern.rms_norm.kernels import (
 
 MAX_FWD_BLOCK = 65536  # widest row the forward's row kernel takes (32 warps x 64 elements per thread); half
                        # that for 4-byte x, w or y (at 65536 those spill)
-MAX_BWD_BLOCK = 16384  # widest row the backward takes in one block (wider: statistics, then a column split)
+MAX_BWD_BLOCK = 16384  # widest row the backward takes in one block (wider: SPLIT blocks, or a column split)
 CHUNK = 16384          # column chunk of the chunked forward (two in flight per program)
 FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
 COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
@@ -51,6 +51,18 @@ _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 1
 # fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
+# 16385 and wider: the row kernel again, in blocks of 2048 (to 9 x 2048) or 4096, 16 warps (32 for 4-byte rows),
+# one program per SM, w held up to 20480 (wider, its registers spill); the second read of each row comes from
+# L2, where the column split reads x and dy twice from DRAM: 1.2-1.4x the column split's speed at 16896-28672,
+# 1.03x at 32768 (H100, docs/benchmarks.md, entry 23). Up to these widths by the rows' element size and the
+# streams read: at 32768 the fused add's third stream and fp32 rows were slower than the column split (fp32
+# from 24576), their dw partials spilling more; the fused add's fp32 residual stream was not timed.
+BWD_WIDE_ROW_MAX = {(2, 2): 32768, (2, 3): 7 * 4096, (4, 2): 9 * 2048, (4, 3): MAX_BWD_BLOCK}
+BWD_WIDE_HOLD_W = 20480
+# 4480-5120 wide (1024 x 5, split_row) with 2-byte rows, two streams: the row kernel, 4 warps, 3 programs per
+# SM: 5-7 % faster than the 8192-element tile, which leaves 3/8 of its lanes masked (H100, entry 23); fp32
+# rows and the fused add's three streams were 10 % slower so.
+BWD_FIVE = (1024, 5, 4, 3)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
 # width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
 # the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
@@ -138,21 +150,28 @@ class BwdPlan:
     n_partials: int
 
 
+def max_bwd_row(itemsize: int = 2, streams: int = 2) -> int:
+    """The widest row the backward reads a row at a time (wider: a statistics pass, then a column split),
+    for rows of `itemsize`-byte elements (the largest of those read twice) and `streams` row streams read."""
+    return BWD_WIDE_ROW_MAX[(2 if itemsize <= 2 else 4, 2 if streams <= 2 else 3)]
+
+
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
-                      n_batch: int = 1, variant: str = "llama", *, streams: int = 2,
+                      n_batch: int = 1, variant: str = "llama", *, streams: int = 2, itemsize: int = 2,
                       cols_tile: tuple[int, int, int, int] = BWD_COLS_TILE) -> BwdPlan:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
     (default: contiguous); `variant` from check_variant (the math only, as in the forward); `streams`: the
-    [n_rows, n_cols] inputs the kernel reads (x and dy; 3 for the fused add's dres); `cols_tile`: the
-    column split's (BLOCK_M, BLOCK_N, num_warps, programs) for rows wider than MAX_BWD_BLOCK (the rule;
-    `tools.plan_probe` passes candidates)."""
+    [n_rows, n_cols] inputs the kernel reads (x and dy; 3 for the fused add's dres); `itemsize`: the largest
+    element size of x and dy in bytes; `cols_tile`: the column split's (BLOCK_M, BLOCK_N, num_warps, programs)
+    for rows wider than `max_bwd_row` (the rule; `tools.plan_probe` passes candidates)."""
     check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
     check_row_count("x", n_cols, "columns")  # and the column-split kernels columns
     block_n = next_pow2(n_cols)
     fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1, "VARIANT": _variant_code(variant)}
     stats = None
-    if n_cols > MAX_BWD_BLOCK:
+    row = {**fixed, "EPS": float(eps)}
+    if n_cols > max_bwd_row(itemsize, streams):
         stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8,
                        {**fixed, "EPS": float(eps), "BLOCK_N": COLS_STATS_CHUNK})
         block_m, block_n, num_warps, programs = cols_tile
@@ -160,10 +179,21 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
+    elif n_cols > MAX_BWD_BLOCK:  # up to max_bwd_row: SPLIT blocks (BWD_WIDE_ROW_MAX)
+        block = 2048 if n_cols <= 9 * 2048 else 4096
+        split = cdiv(n_cols, block)
+        groups = max(2, min(n_rows, NUM_SMS))
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16 if itemsize <= 2 else 32,
+                     {**row, "BLOCK_N": block, "SPLIT": split, "HOLD_W": block * split <= BWD_WIDE_HOLD_W})
     elif n_cols > BWD_SPLIT_MAX:  # up to BWD_ROW_BLOCK
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
-                     {**fixed, "EPS": float(eps), "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
+                     {**row, "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
+    elif itemsize <= 2 and streams <= 2 and split_row(n_cols, 4096) == BWD_FIVE[:2]:
+        block, split, num_warps, per_sm = BWD_FIVE
+        groups = max(2, min(n_rows, NUM_SMS * per_sm))
+        bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
+                     {**row, "BLOCK_N": block, "SPLIT": split, "HOLD_W": True})
     else:
         block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
         split = 1

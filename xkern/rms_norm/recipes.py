@@ -80,7 +80,9 @@ def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dt
         return Recipe((Step(None, (), (dx, Buffer("dw", (n_batch, dw_cols), dw_dtype, fill=0))),), ("dx", "dw"))
     x_row_stride = n_cols if x_row_stride is None else x_row_stride
     dy_row_stride = n_cols if dy_row_stride is None else dy_row_stride
-    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch, variant)
+    itemsize = max(ITEMSIZE[d] for d in (x_dtype, out_dtype_name(x_dtype, w_dtype, variant)))  # x's and dy's
+    plan = plan_rms_norm_bwd(n_rows, n_cols, eps, (x_row_stride, dy_row_stride, n_cols), n_batch, variant,
+                             itemsize=itemsize)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, x_row_stride=x_row_stride, dy_row_stride=dy_row_stride,
                    dx_row_stride=n_cols)
     return bwd_recipe(plan, plan.stats, plan.bwd, ("x", "x" if w_dtype is None else "w", "dy"), (), dx, scalars,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from xkern.launch import FLOATS, ITEMSIZE, POINTER_TYPES
-from xkern.rms_norm.plans import MAX_BWD_BLOCK, MAX_FWD_BLOCK, plan_rms_norm_bwd, plan_rms_norm_fwd
+from xkern.rms_norm.plans import MAX_BWD_BLOCK, MAX_FWD_BLOCK, max_bwd_row, plan_rms_norm_bwd, plan_rms_norm_fwd
 from xkern.rms_norm.recipes import out_dtype_name
 from xkern.rms_norm.width_sharded import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
@@ -17,10 +17,11 @@ def compile_variants():
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
     widths += [80, 96, 768, 2560, 5120, 7168, 9000, 12288, 18432]  # rows in SPLIT blocks (split_row)
+    widths += [4608, 16896, 20480, 24576, 28672, max_bwd_row() + 1]  # the backward's wide row kernel, either side
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
-    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1,
-                                                              MAX_FWD_BLOCK + 1)]
+    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, 5120, MAX_BWD_BLOCK + 1, 20480,
+                                                              MAX_FWD_BLOCK // 2 + 1, MAX_FWD_BLOCK + 1)]
     cases = [(*case, "llama") for case in cases]
     # The other variants: every kernel (each BLOCK_N once) and every dtype pair, each with its own rounding
     # points; "none" reads x only (W bound to x).
@@ -34,7 +35,8 @@ def compile_variants():
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
                 "DX": pointer[x_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[w_dtype]}
         ptrs["STATS"] = "*fp32"
-        bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6, variant=variant)
+        bwd = plan_rms_norm_bwd(n_rows, n_cols, 1e-6, variant=variant,
+                                itemsize=max(ITEMSIZE[x_dtype], ITEMSIZE[y_dtype]))  # as rms_norm_bwd_recipe
         itemsize = max(ITEMSIZE[d] for d in (x_dtype, w_dtype, y_dtype))
         for launch in (plan_rms_norm_fwd(n_rows, n_cols, 1e-6, (), itemsize, variant), bwd.stats, bwd.bwd,
                        bwd.reduce):
