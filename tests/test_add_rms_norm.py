@@ -2,8 +2,9 @@
 
 Widths cover each kernel the plans take: 128 (tile kernels), 1000 (forward tile of one row, backward tile),
 5120 (forward 5 x 1024 split row, backward tile), 16384 (row kernels), 24000 (forward in 6 blocks, backward
-row kernel in 6 x 4096), 20000 with an fp32 residual (chunked forward, stats + column backward). Outputs of the kernels are NaN-poisoned first (every element must be written). CPU cost is kept low:
-few rows, the wide widths once each (torch and JAX launch the same binaries: tests/test_launch_parity.py).
+row kernel in 6 x 4096), 20000 with an fp32 residual (stats + column backward). Outputs of the kernels are
+NaN-poisoned first (every element must be written). CPU cost is kept low: few rows, the wide widths once each
+(torch and JAX launch the same binaries: tests/test_launch_parity.py).
 """
 
 from __future__ import annotations

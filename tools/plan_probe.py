@@ -226,6 +226,19 @@ _BWD_ROW_CANDIDATES = (  # each fits its programs per SM in registers (ptxas for
 )
 
 
+def _bwd_case(width: int, op: str) -> tuple[str, int, int]:
+    """(pass, rows, width) of a backward case: RMSNorm's backward over 2**26 elements, the fused add's forward +
+    backward (as its table times it) over 2**25."""
+    return ("bwd", (1 << 26) // width, width) if op == "rms_norm" else ("fwd+bwd", (1 << 25) // width, width)
+
+
+def _row_cases(entries) -> list:
+    """Cases of the backward's row kernel: (width, dtype, op, [(BLOCK_N, SPLIT, warps, per SM, hold w), ...])."""
+    return [(*_bwd_case(w, op), dt, [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None,
+                                      bwd_row(b, k, nw, ps, h)) for b, k, nw, ps, h in c], op)
+            for w, dt, op, c in entries]
+
+
 def candidate_sets() -> dict:
     tiles64 = [(64, 2, 4, False), (64, 2, 6), (64, 2, 8), (128, 4, 2), (128, 4, 3), (128, 2, 4), (32, 1, 8),
                (32, 1, 12), (32, 2, 8), (256, 8, 1), (256, 4, 2), (64, 4, 4), (16, 1, 16), (16, 1, 12), (16, 1, 20),
@@ -267,9 +280,7 @@ def candidate_sets() -> dict:
         # The backward's row kernel (rows read twice, only w and dw held) in SPLIT blocks with
         # several programs per SM, at the widths where the tile kernels' held rows cap the bytes in flight
         # (backward under 0.85: docs/benchmarks.md, entry 15). (BLOCK_N, SPLIT, warps, per SM, hold w).
-        "bwd-row": [("bwd", (1 << 26) // w, w, "bfloat16", [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}",
-                                                            None, bwd_row(b, k, nw, ps, h)) for b, k, nw, ps, h in c])
-                    for w, c in _BWD_ROW_CANDIDATES],
+        "bwd-row": _row_cases((w, "bfloat16", "rms_norm", c) for w, c in _BWD_ROW_CANDIDATES),
         # Two rules for the row kernel against the plan at every swept width from 512 to 24576,
         # so that one that wins at the candidates' widths is seen not to sag between them.
         "bwd-row-rule": [("bwd", (1 << 26) // w, w, dt, rules) for w, dt in
@@ -278,58 +289,46 @@ def candidate_sets() -> dict:
         # The row kernel where `bwd-row` found it ahead of the plan (5120; 18432 and 24576, where the plan
         # reads x and dy twice from DRAM) and past 24576, where its dw partials spill (176-250 bytes a thread
         # at 32768): (BLOCK_N, SPLIT, warps, per SM, hold w).
-        "bwd-row-wide": [("bwd", (1 << 26) // w, w, "bfloat16",
-                          [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
-                           for b, k, nw, ps, h in c])
-                         for w, c in ((5120, [(1024, 5, 4, 3, True), (1024, 5, 4, 4, False), (1024, 5, 8, 2, False)]),
-                                      (18432, [(2048, 9, 32, 1, True), (2048, 9, 32, 1, False)]),
-                                      (20480, [(4096, 5, 32, 1, True), (4096, 5, 32, 1, False)]),
-                                      (24576, [(4096, 6, 32, 1, False), (4096, 6, 32, 1, True)]),
-                                      (32768, [(4096, 8, 32, 1, False), (4096, 8, 16, 1, False),
-                                               (2048, 16, 32, 1, False), (4096, 8, 32, 1, True)]),
-                                      (65536, [(8192, 8, 32, 1, False), (4096, 16, 32, 1, False)]))],
+        "bwd-row-wide": _row_cases((w, "bfloat16", "rms_norm", c) for w, c in (
+            (5120, [(1024, 5, 4, 3, True), (1024, 5, 4, 4, False), (1024, 5, 8, 2, False)]),
+            (18432, [(2048, 9, 32, 1, True), (2048, 9, 32, 1, False)]),
+            (20480, [(4096, 5, 32, 1, True), (4096, 5, 32, 1, False)]),
+            (24576, [(4096, 6, 32, 1, False), (4096, 6, 32, 1, True)]),
+            (32768, [(4096, 8, 32, 1, False), (4096, 8, 16, 1, False), (2048, 16, 32, 1, False),
+                     (4096, 8, 32, 1, True)]),
+            (65536, [(8192, 8, 32, 1, False), (4096, 16, 32, 1, False)]))),
         # The row kernel's warps at 16385-32768 (16 warps: 128 registers a thread, the dw partials of 32768
         # spill 248 bytes; 32 warps: 64), fp32 rows, and the fused add's backward (three streams) through it.
-        "bwd-row-wide-2": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w, dt,
-                            [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
-                             for b, k, nw, ps, h in c], op)
-                           for w, dt, op, c in (
-                               (18432, "bfloat16", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, True),
-                                                                (2048, 9, 16, 1, False)]),
-                               (24576, "bfloat16", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, True),
-                                                                (4096, 6, 16, 1, False)]),
-                               (28672, "bfloat16", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
-                               (32768, "bfloat16", "rms_norm", [(4096, 8, 16, 1, False), (8192, 4, 16, 1, False),
-                                                                (4096, 8, 16, 1, True)]),
-                               (18432, "float32", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
-                               (32768, "float32", "rms_norm", [(4096, 8, 16, 1, False)]),
-                               (5120, "float32", "rms_norm", [(1024, 5, 4, 3, True)]),
-                               (5120, "bfloat16", "add_rms_norm", [(1024, 5, 4, 3, True)]),
-                               (18432, "bfloat16", "add_rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
-                               (32768, "bfloat16", "add_rms_norm", [(4096, 8, 16, 1, False)]))],
+        "bwd-row-wide-2": _row_cases((
+            (18432, "bfloat16", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, True), (2048, 9, 16, 1, False)]),
+            (24576, "bfloat16", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, True), (4096, 6, 16, 1, False)]),
+            (28672, "bfloat16", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
+            (32768, "bfloat16", "rms_norm", [(4096, 8, 16, 1, False), (8192, 4, 16, 1, False), (4096, 8, 16, 1, True)]),
+            (18432, "float32", "rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
+            (32768, "float32", "rms_norm", [(4096, 8, 16, 1, False)]),
+            (5120, "float32", "rms_norm", [(1024, 5, 4, 3, True)]),
+            (5120, "bfloat16", "add_rms_norm", [(1024, 5, 4, 3, True)]),
+            (18432, "bfloat16", "add_rms_norm", [(2048, 9, 32, 1, True), (2048, 9, 16, 1, False)]),
+            (32768, "bfloat16", "add_rms_norm", [(4096, 8, 16, 1, False)]))),
         # What a rule for the row kernel at 16385-32768 (and 5120) still needs: the widths and dtypes between
         # those above, and the fused add's backward with residual_out's gradient (three streams).
-        "bwd-row-wide-3": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w,
-                            dt, [(f"row {b}x{k} {nw}w {ps}/SM{'' if h else ' w re-read'}", None, bwd_row(b, k, nw, ps, h))
-                                 for b, k, nw, ps, h in c], op)
-                           for w, dt, op, c in (
-                               (16896, "bfloat16", "rms_norm", [(2048, 9, 16, 1, True)]),
-                               (20480, "bfloat16", "rms_norm", [(4096, 5, 16, 1, True), (4096, 5, 16, 1, False)]),
-                               (24576, "float16", "rms_norm", [(4096, 6, 16, 1, False)]),
-                               (4608, "bfloat16", "rms_norm", [(1024, 5, 4, 3, True)]),
-                               (18432, "float32", "rms_norm", [(2048, 9, 16, 1, True)]),
-                               (20480, "float32", "rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, False)]),
-                               (24576, "float32", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False)]),
-                               (28672, "float32", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
-                               (18432, "bfloat16", "add_rms_norm", [(2048, 9, 16, 1, True)]),
-                               (20480, "bfloat16", "add_rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, True)]),
-                               (24576, "bfloat16", "add_rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False),
-                                                                    (4096, 6, 32, 1, False)]),
-                               (28672, "bfloat16", "add_rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]))],
+        "bwd-row-wide-3": _row_cases((
+            (16896, "bfloat16", "rms_norm", [(2048, 9, 16, 1, True)]),
+            (20480, "bfloat16", "rms_norm", [(4096, 5, 16, 1, True), (4096, 5, 16, 1, False)]),
+            (24576, "float16", "rms_norm", [(4096, 6, 16, 1, False)]),
+            (4608, "bfloat16", "rms_norm", [(1024, 5, 4, 3, True)]),
+            (18432, "float32", "rms_norm", [(2048, 9, 16, 1, True)]),
+            (20480, "float32", "rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, False)]),
+            (24576, "float32", "rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False)]),
+            (28672, "float32", "rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]),
+            (18432, "bfloat16", "add_rms_norm", [(2048, 9, 16, 1, True)]),
+            (20480, "bfloat16", "add_rms_norm", [(4096, 5, 32, 1, True), (4096, 5, 16, 1, True)]),
+            (24576, "bfloat16", "add_rms_norm", [(4096, 6, 32, 1, True), (4096, 6, 16, 1, False),
+                                                 (4096, 6, 32, 1, False)]),
+            (28672, "bfloat16", "add_rms_norm", [(4096, 7, 16, 1, False), (4096, 7, 32, 1, False)]))),
         # The plan's wide-row and five-block backward rules (docs/benchmarks.md, entry 23) against the plan
         # before them, which `bwd_before` rebuilds.
-        "bwd-wide-rule": [("bwd" if op == "rms_norm" else "fwd+bwd", (1 << (26 if op == "rms_norm" else 25)) // w, w,
-                           dt, [("plan before the rule", None, bwd_before)], op)
+        "bwd-wide-rule": [(*_bwd_case(w, op), dt, [("before the rule", None, bwd_before)], op)
                           for w, dt, op in [(w, "bfloat16", "rms_norm") for w in (4608, 5120, 16896, 18432, 20480,
                                                                                  24576, 28672, 32768)]
                           + [(18432, "float32", "rms_norm"), (18432, "float16", "rms_norm")]
