@@ -26,9 +26,9 @@ SHAPES = [(262144, 128), (32768, 128), (262144, 64), (65536, 256), (8192, 2048),
 SHAPES_FP16 = [(262144, 128), (8192, 2048), (4096, 16384)]
 QUICK_SHAPES = [(32768, 128), (8192, 2048), (1024, 65536)]
 # CPU (interpreter): one shape per plan regime (narrow tiles, row kernels, the backward's row kernel at
-# 8193-16384, its column split above 16384) and fp16.
+# 8193-16384 and in SPLIT blocks above, its column split above 32768) and fp16.
 VALIDATE = [((64, 128), "bfloat16"), ((37, 1000), "bfloat16"), ((4, 9000), "bfloat16"), ((5, 16500), "bfloat16"),
-            ((48, 256), "float16")]
+            ((2, 33000), "bfloat16"), ((48, 256), "float16")]
 SMOKE = [((9, 128), "bfloat16"), ((3, 256), "float16")]
 
 # The width sweep: every multiple of 64 to 1024; hidden sizes and head dims of open model families (Qwen2/3,

@@ -47,8 +47,9 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 # there were no faster). From 512: one row per tile, 8192 elements per SM, 8 elements per thread up to
 # 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entries 10, 18).
 _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
-# Row backward (rows read twice): the BLOCK_N it takes, one 16-warp program per SM. Only there is it the
-# fastest: narrower, the prefetching tile wins; at 32768 it spills (docs/benchmarks.md, entry 8).
+# Row backward (rows read twice): the widest BLOCK_N it takes as one block (12289-16384), one 16-warp program
+# per SM (docs/benchmarks.md, entry 8). Narrower, the prefetching tile wins but at 4480-5120 (BWD_FIVE); wider,
+# it takes SPLIT blocks (BWD_WIDE_ROW_MAX).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
 # 16385 and wider: the row kernel again, in blocks of 2048 (to 9 x 2048) or 4096, 16 warps (32 for 4-byte rows),
