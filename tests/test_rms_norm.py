@@ -537,14 +537,15 @@ def test_split_rows_cover_every_width_within_the_register_budget():
 
 # Both sides of every regime boundary of the plans (docs/design.md): the forward's tiles of 1024 | 2048 elements
 # (64 | 65) and its tiles | one row per program (767 | 768); the backward's narrow tiles | one-row tiles
-# (256 | 257), its power-of-two blocks | three blocks of 1024 (2048 | 2049, 3072 | 3073) | three of 4096
+# (256 | 257), its one-row tiles | the row kernel in 9 x 64 (512 | 513, 576 | 577), its power-of-two blocks |
+# three blocks of 1024 (2048 | 2049, 3072 | 3073) | three of 4096
 # (8192 | 8193), its tile kernels | row kernel (12288 | 12289), its tile | row kernel in 5 x 1024 (4479 | 4480,
 # 5120 | 5121), the row kernel in one block | 2048-element blocks (16384 | 16385) | 4096-element blocks, w held
 # (18432 | 18433) | w re-read (20480 | 20481) | statistics and a column split (32768 | 32769).
 # From 4479 they are slow tests (the default tier runs 5000, 9000, 13000 and 20000 in
 # test_wide_rows_and_chunked_paths), as are the widest forward boundaries (chunked above 65536, or above 32768
 # with 4-byte elements: test_wide_rows_and_chunked_paths, test_four_byte_elements_take_the_chunked_forward_above_32768).
-BOUNDARIES = [64, 65, 767, 768, 256, 257, 2048, 2049, 3072, 3073,
+BOUNDARIES = [64, 65, 767, 768, 256, 257, 512, 513, 576, 577, 2048, 2049, 3072, 3073,
               *(pytest.param(n, marks=SLOW) for n in (4479, 4480, 5120, 5121, 8192, 8193, 12288, 12289, 16384, 16385,
                                                       18432, 18433, 20480, 20481, 32768, 32769))]
 

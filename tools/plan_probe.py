@@ -87,6 +87,12 @@ def bwd_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", 
     return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=max(3, streams), itemsize=4)
 
 
+def bwd_tile_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", *, streams=2, itemsize=2, **_):
+    """The backward's plan before its rules for masked widths (BWD_NINE, BWD_FIVE): what it plans for 4-byte
+    rows (the prefetching tiles), which launch the same binaries for 2-byte rows."""
+    return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=streams, itemsize=4)
+
+
 def fwd_row(num_warps: int, reload: bool):
     def plan(n_rows, n_cols, eps, row_strides=(), itemsize=2, variant="llama"):
         p = PLAN_FWD(n_rows, n_cols, eps, row_strides, itemsize, variant)
@@ -333,6 +339,16 @@ def candidate_sets() -> dict:
                                                                                  24576, 28672, 32768)]
                           + [(18432, "float32", "rms_norm"), (18432, "float16", "rms_norm")]
                           + [(w, "bfloat16", "add_rms_norm") for w in (20480, 24576, 28672)]],
+        # 513-576 wide, where the backward's tile takes a 1024 block with up to 7/16 of its lanes masked: the
+        # row kernel in 9 blocks of 64 (`bwd-row` found it ahead at 576), across the range, fp16 and fp32 rows,
+        # the fused add (three streams with residual_out's gradient), and more one-warp programs per SM.
+        "bwd-nine": [(*case[:4], [("tile (before the rule)", None, bwd_tile_before), *case[4]], *case[5:])
+                     for case in _row_cases(
+                         [(w, "bfloat16", "rms_norm", [(64, 9, 1, 16, True)]) for w in (520, 544)]
+                         + [(576, "bfloat16", "rms_norm", [(64, 9, 1, p, True) for p in (12, 16, 24)]),
+                            (576, "float16", "rms_norm", [(64, 9, 1, 16, True)]),
+                            (576, "float32", "rms_norm", [(64, 9, 1, 16, True), (64, 9, 2, 8, True)]),
+                            (576, "bfloat16", "add_rms_norm", [(64, 9, 1, 16, True), (64, 9, 1, 12, True)])])],
         # The H100's main set (2026-12-05; docs/benchmarks.md, the H100 set) fell more than 2 % behind the best
         # peer only at the narrowest forwards (64 and 128 wide; XLA, torch.compile) and the column-split
         # backward above 16384 (quack): the tiles there. Run on the H100 and the H200 alike.

@@ -118,7 +118,7 @@ def compile_variants():
     # The fused residual add (add_rms_norm): each kernel at every BLOCK_N its plan takes, plus the split
     # widths, for equal 16-bit dtypes and for an fp32 residual stream (x bf16, residual and residual_out fp32;
     # its backward rounds `normed` to bf16 while reading fp32), with and without residual_out's gradient.
-    fused_widths = [1 << k for k in range(4, 17)] + [80, 3072, 5120, 7168, 12288, 18432, 20000, 28672, 28673,
+    fused_widths = [1 << k for k in range(4, 17)] + [80, 576, 3072, 5120, 7168, 12288, 18432, 20000, 28672, 28673,
                                                      MAX_FWD_BLOCK + 1]
     for x_dtype, r_dtype in (("bfloat16", "bfloat16"), ("bfloat16", "float32")):
         res_dtype = promote(x_dtype, r_dtype)

@@ -48,8 +48,8 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 # 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entries 10, 18).
 _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
 # Row backward (rows read twice): the widest BLOCK_N it takes as one block (12289-16384), one 16-warp program
-# per SM (docs/benchmarks.md, entry 8). Narrower, the prefetching tile wins but at 4480-5120 (BWD_FIVE); wider,
-# it takes SPLIT blocks (BWD_WIDE_ROW_MAX).
+# per SM (docs/benchmarks.md, entry 8). Narrower, the prefetching tile wins but at 513-576 and 4480-5120
+# (BWD_NINE, BWD_FIVE); wider, it takes SPLIT blocks (BWD_WIDE_ROW_MAX).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
 # 16385 and wider: the row kernel again, in blocks of 2048 (to 9 x 2048) or 4096, 16 warps (32 for 4-byte rows),
@@ -60,10 +60,14 @@ BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_n
 # from 24576), their dw partials spilling more; the fused add's fp32 residual stream was not timed.
 BWD_WIDE_ROW_MAX = {(2, 2): 32768, (2, 3): 7 * 4096, (4, 2): 9 * 2048, (4, 3): MAX_BWD_BLOCK}
 BWD_WIDE_HOLD_W = 20480
-# 4480-5120 wide (1024 x 5, split_row) with 2-byte rows, two streams: the row kernel, 4 warps, 3 programs per
-# SM: 5-7 % faster than the 8192-element tile, which leaves 3/8 of its lanes masked (H100, entry 23); fp32
-# rows and the fused add's three streams were 10 % slower so.
+# Widths where the prefetching tile's power-of-two block leaves many lanes masked, with 2-byte rows and two
+# streams: the row kernel in SPLIT blocks instead, as (BLOCK_N, SPLIT, num_warps, programs per SM).
+# 4480-5120 (1024 x 5, split_row): 4 warps, 3 per SM, 5-7 % faster than the 8192-element tile, which leaves
+# 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
+# 513-576 (64 x 9): one warp, 16 per SM, 8 % faster than the 1024-element tile, which leaves 7/16 masked
+# (H100, entry 24).
 BWD_FIVE = (1024, 5, 4, 3)
+BWD_NINE = (64, 9, 1, 16)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
 # width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
 # the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
@@ -76,6 +80,14 @@ def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
         return _BWD_NARROW_TILES[max(block_n, 64)]
     num_warps = min(8, block_n // 256) if block_n <= 4096 else block_n // 512
     return 1, num_warps, max(1, 8192 // block_n), True
+
+
+def _bwd_masked_row(n_cols: int) -> tuple[int, int, int, int] | None:
+    """The row kernel's blocks, warps and programs per SM at the widths BWD_FIVE and BWD_NINE take (2-byte
+    rows, two streams), else None."""
+    if 512 < n_cols <= BWD_NINE[0] * BWD_NINE[1]:
+        return BWD_NINE
+    return BWD_FIVE if split_row(n_cols, 4096) == BWD_FIVE[:2] else None
 
 
 def split_row(n_cols: int, max_block: int, min_block: int = 256, max_split: int = 8) -> tuple[int, int]:
@@ -190,8 +202,8 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
                      {**row, "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
-    elif itemsize <= 2 and streams <= 2 and split_row(n_cols, 4096) == BWD_FIVE[:2]:
-        block, split, num_warps, per_sm = BWD_FIVE
+    elif itemsize <= 2 and streams <= 2 and (rule := _bwd_masked_row(n_cols)):
+        block, split, num_warps, per_sm = rule
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
                      {**row, "BLOCK_N": block, "SPLIT": split, "HOLD_W": True})
