@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # stride the PTX differs in addressing only; where it is the width (7x1) it could change the arithmetic
 # (the plan's ONE_COL makes every binary fold it): there the floating-point instruction sequences must
 # match, the rest of the PTX may not. (5, 40000) gives 3 dw partials.
-# 80, 3072 and 12288: the backward's SPLIT blocks; 256: its 4-row narrow tile (JAX's backward
-# timed 4-5 % slower than torch's at 256 and 3072 in two sweeps: not the binary).
-SHAPES = [(33, 80), (33, 128), (64, 128), (33, 256), (33, 300), (33, 2048), (40, 3072), (48, 4096), (7, 5000),
-          (3, 9000), (3, 12288), (3, 20000), (5, 40000), (7, 1)]
+# 80, 3072 and 12288: the backward's SPLIT blocks; 576 and 5000: its row kernel in 9 x 64 and 5 x 1024 (2-byte
+# rows); 256: its 4-row narrow tile (JAX's backward timed 4-5 % slower than torch's at 256 and 3072 in two
+# sweeps: not the binary).
+SHAPES = [(33, 80), (33, 128), (64, 128), (33, 256), (33, 300), (9, 576), (33, 2048), (40, 3072), (48, 4096),
+          (7, 5000), (3, 9000), (3, 12288), (3, 20000), (5, 40000), (7, 1)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
 VARIANTS = ["gemma", "olmo2", "none"]
 VARIANT_SHAPES = [(33, 128), (3, 9000), (3, 20000)]
