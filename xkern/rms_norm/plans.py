@@ -64,8 +64,9 @@ BWD_WIDE_HOLD_W = 20480
 # streams: the row kernel in SPLIT blocks instead, as (BLOCK_N, SPLIT, num_warps, programs per SM).
 # 4480-5120 (1024 x 5, split_row): 4 warps, 3 per SM, 5-7 % faster than the 8192-element tile, which leaves
 # 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
-# 513-576 (64 x 9): one warp, 16 per SM, 8 % faster than the 1024-element tile, which leaves 7/16 masked
-# (H100, entry 24).
+# 513-576 (64 x 9): one warp, 16 per SM, 3-8 % faster than the 1024-element tile, which leaves up to 7/16
+# masked; the fused add's three streams were 29 % slower so, fp32 rows 7 % faster (not taken yet: the GPU
+# suite with that binary) (H100, entry 24).
 BWD_FIVE = (1024, 5, 4, 3)
 BWD_NINE = (64, 9, 1, 16)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
