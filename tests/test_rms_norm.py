@@ -509,28 +509,29 @@ def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, nu
 
 def test_split_rows_cover_every_width_within_the_register_budget():
     """Every width from 1 to 33000, 2- and 4-byte rows: the row kernels' SPLIT blocks cover the row exactly once
-    (the last block may be ragged, never empty) and hold at most 40 (forward), 24 (backward tiles, a row) or, in the
-    backward's row kernel, 40 elements per thread per tensor with w held and 64 re-reading it (32768: its
-    dw partials spill 248 bytes, timed faster than the column split); a power of two is one block below
-    the backward's wide rows (MAX_BWD_BLOCK)."""
+    (the last block may be ragged, never empty) and hold at most 40 (forward), 24 (backward tiles; 48 in the
+    fused add's two-row tiles, BWD_TWO_ROW_MAX) or, in the backward's row kernel, 40 elements per thread per
+    tensor with w held and 64 re-reading it (32768: its dw partials spill 248 bytes, timed faster than the
+    column split); a power of two is one block below the backward's wide rows (MAX_BWD_BLOCK)."""
     from xkern.rms_norm import MAX_BWD_BLOCK, max_bwd_row, split_row
 
     assert [split_row(n, 4096) for n in (896, 2560, 5120, 12288, 16384)] == [
         (1024, 1), (512, 5), (1024, 5), (4096, 3), (16384, 1)]
     assert (max_bwd_row(), max_bwd_row(4), max_bwd_row(2, 3), max_bwd_row(4, 3)) == (32768, 18432, 28672, 16384)
     for n in range(1, 33001):
-        plans = [plan_rms_norm_fwd(1000, n, EPS)]
-        plans += [plan_rms_norm_bwd(1000, n, EPS, itemsize=size, streams=streams).bwd
+        plans = [(plan_rms_norm_fwd(1000, n, EPS), 2)]
+        plans += [(plan_rms_norm_bwd(1000, n, EPS, itemsize=size, streams=streams).bwd, streams)
                   for size in (2, 4) for streams in (2, 3)]
-        for plan in plans:
+        for plan, streams in plans:
             block, split = plan.constexprs["BLOCK_N"], plan.constexprs.get("SPLIT", 1)
             if "SPLIT" not in plan.constexprs:
                 continue
             assert (split - 1) * block < n <= split * block, (n, plan)
-            per_thread = block * split // (32 * plan.num_warps)  # a row's (the fused add's tiles take two)
+            per_thread = plan.constexprs.get("BLOCK_M", 1) * block * split // (32 * plan.num_warps)
             name = plan.kernel.fn.__name__
+            two_rows = streams == 3 and plan.constexprs.get("BLOCK_M") == 2  # the fused add's two-row tiles
             limit = 40 if name.startswith("_rms_norm_fwd") or plan.constexprs.get("HOLD_W") else \
-                64 if name == "_rms_norm_bwd_row_kernel" else 24
+                64 if name == "_rms_norm_bwd_row_kernel" else 48 if two_rows else 24
             assert split == 1 or per_thread <= limit, (n, plan)
             assert n & (n - 1) or split == 1 or n > MAX_BWD_BLOCK, (n, plan)
 

@@ -186,8 +186,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     stats = None
     row = {**fixed, "EPS": float(eps)}
     if n_cols > max_bwd_row(itemsize, streams):
-        stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8,
-                       {**fixed, "EPS": float(eps), "BLOCK_N": COLS_STATS_CHUNK})
+        stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8, {**row, "BLOCK_N": COLS_STATS_CHUNK})
         block_m, block_n, num_warps, programs = cols_tile
         col_blocks = cdiv(n_cols, block_n)
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
@@ -229,7 +228,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
             block_m = 2
         block_m = max(1, min(block_m, next_pow2(n_rows)))
         groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
-        tile = {**fixed, "EPS": float(eps), "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
+        tile = {**row, "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
         bwd = (Launch(_rms_norm_bwd_split_kernel, (groups, n_batch), num_warps, {**tile, "SPLIT": split}) if split > 1
                else Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps, tile))
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
