@@ -561,6 +561,34 @@ def test_regime_boundaries_match_the_oracle(width):
     _check_all(x, w, dy, EPS, *_torch_run(x, w, dy, EPS))
 
 
+@pytest.mark.parametrize("dtype, w_dtype", [("float32", "float32"), ("float16", "float32")])
+@pytest.mark.parametrize("width", [512, 513, 576, 577])
+def test_four_byte_rows_at_513_576_match_the_oracle(dtype, w_dtype, width):
+    """4-byte rows (fp32 x, or a 2-byte x whose fp32 weight makes dy fp32) take the backward's row kernel in
+    9 x 64 at 513-576 as 2-byte rows do, the prefetching tile either side: the plan launched on NaN-poisoned
+    outputs gives the front ends' bits (torch's and JAX's alike), which match the oracle."""
+    from xkern.rms_norm.kernels import _rms_norm_bwd_row_kernel
+
+    rows = 5
+    x, w, dy = (to_torch(a) for a in _inputs(_rng("four-byte rows", dtype, w_dtype, width), (rows, width), dtype,
+                                              w_dtype))
+    plan = plan_rms_norm_bwd(rows, width, EPS, itemsize=4)
+    assert (plan.bwd.kernel is _rms_norm_bwd_row_kernel) == (512 < width <= 576)
+    dx = torch.full_like(x, float("nan"))
+    partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
+    dw = torch.full_like(w, float("nan"))
+    launch(plan.bwd, x, w, dy, dx, partial, n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
+           dx_row_stride=width)
+    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
+    _, torch_dx, torch_dw = _torch_run(*(to_numpy(a) for a in (x, w, dy)), EPS)
+    _, jax_dx, jax_dw = _jax_run(*(to_numpy(a) for a in (x, w, dy)), EPS)
+    assert same_bits(dx, torch_dx) and same_bits(dw, torch_dw)
+    assert same_bits(jax_dx, torch_dx) and same_bits(jax_dw, torch_dw)
+    dx_ref, dw_ref, dw_tol = R.rms_norm_bwd(*(to_numpy(a) for a in (x, w, dy)), EPS)
+    R.check(to_numpy(dx), dx_ref, "dx")
+    R.check(to_numpy(dw), dw_ref, "dw", dw_tol)
+
+
 def test_launch_counts():
     """Launches per call at widths from 1 to 70000 (docs/design.md's contract; the plans may change kernel,
     tile or split freely): the forward one; the backward two (the joint backward, then the dw reduction) up

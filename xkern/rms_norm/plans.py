@@ -65,8 +65,7 @@ BWD_WIDE_HOLD_W = 20480
 # 4480-5120 (1024 x 5, split_row): 4 warps, 3 per SM, 5-7 % faster than the 8192-element tile, which leaves
 # 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
 # 513-576 (64 x 9): one warp, 16 per SM, 3-8 % faster than the 1024-element tile, which leaves up to 7/16
-# masked; the fused add's three streams were 29 % slower so, fp32 rows 7 % faster (not taken yet: the GPU
-# suite with that binary) (H100, entry 24).
+# masked, and 7 % faster with 4-byte rows; the fused add's three streams were 29 % slower so (H100, entry 24).
 BWD_FIVE = (1024, 5, 4, 3)
 BWD_NINE = (64, 9, 1, 16)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
@@ -83,12 +82,12 @@ def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
     return 1, num_warps, max(1, 8192 // block_n), True
 
 
-def _bwd_masked_row(n_cols: int) -> tuple[int, int, int, int] | None:
-    """The row kernel's blocks, warps and programs per SM at the widths BWD_FIVE and BWD_NINE take (2-byte
-    rows, two streams), else None."""
+def _bwd_masked_row(n_cols: int, itemsize: int) -> tuple[int, int, int, int] | None:
+    """The row kernel's blocks, warps and programs per SM at the widths BWD_NINE (any rows) and BWD_FIVE
+    (2-byte rows) take with two streams, else None."""
     if 512 < n_cols <= BWD_NINE[0] * BWD_NINE[1]:
         return BWD_NINE
-    return BWD_FIVE if split_row(n_cols, 4096) == BWD_FIVE[:2] else None
+    return BWD_FIVE if itemsize <= 2 and split_row(n_cols, 4096) == BWD_FIVE[:2] else None
 
 
 def split_row(n_cols: int, max_block: int, min_block: int = 256, max_split: int = 8) -> tuple[int, int]:
@@ -202,7 +201,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
                      {**row, "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
-    elif itemsize <= 2 and streams <= 2 and (rule := _bwd_masked_row(n_cols)):
+    elif streams <= 2 and (rule := _bwd_masked_row(n_cols, itemsize)):
         block, split, num_warps, per_sm = rule
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,

@@ -20,7 +20,7 @@ def compile_variants():
     widths += [4608, 16896, 20480, 24576, 28672, max_bwd_row() + 1]  # the backward's wide row kernel, either side
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
-    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 4096, 5120, MAX_BWD_BLOCK + 1, 20480,
+    cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 576, 4096, 5120, MAX_BWD_BLOCK + 1, 20480,
                                                               MAX_FWD_BLOCK // 2 + 1, MAX_FWD_BLOCK + 1)]
     cases = [(*case, "llama") for case in cases]
     # The other variants: every kernel (each BLOCK_N once) and every dtype pair, each with its own rounding
