@@ -167,6 +167,61 @@ def _moe(folder: str, stem: str) -> list[str]:
     return out
 
 
+def _ratio_words(r: dict) -> str:
+    return f"{r['ratio']:.2f} ({r['best_peer']})" if r.get("ratio") else "–"
+
+
+def _fused_add(folder: str, stem: str, rel: str) -> list[str]:
+    """One line from the fused add's table where it ran: per pass xkern's fraction of the ceiling, the best
+    peer's time over xkern's (its range, the lowest named) and JAX against torch."""
+    path = os.path.join(folder, f"{stem}-add_rms_norm.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        res = json.load(f)
+    rs = ratios(res.get("add_rms_norm") or res.get("rows", []))
+    if not rs:
+        return []
+    parts = []
+    for pass_ in ("fwd+bwd", "fwd", "bwd"):
+        sel = [r for r in rs if r["pass"] == pass_]
+        if not sel:
+            continue
+        fr, w = [r["xkern"] for r in sel], _worst(sel, "ratio")
+        peer = (f", the best peer's time over xkern's {w['ratio']:.2f}–{max(r['ratio'] for r in sel if r['ratio']):.2f}"
+                f" (lowest at {w['shape']}, {w['best_peer']})") if w else ""
+        parts.append(f"{PASS_NAMES[pass_]} {min(fr):.2f}–{max(fr):.2f} of the ceiling{peer}")
+    js = [r["jax_ratio"] for r in rs if r["jax_ratio"] is not None]
+    widths = sorted({r["width"] for r in rs})
+    dtypes = "/".join(sorted({r["dtype"] for r in rs}))
+    commit = str(res.get("commit", "?"))[:7]
+    return ["", f"Fused residual add + RMSNorm ([its table]({rel}-add_rms_norm.md), commit {commit}; "
+            f"{dtypes}, {len(widths)} widths from {widths[0]} to {widths[-1]}): " + "; ".join(parts)
+            + (f"; JAX against torch {min(js):.2f}–{max(js):.2f}" if js else "") + "."]
+
+
+def _sweep_widths(folder: str, stem: str, readme_dir: str) -> list[str]:
+    """Widths measured outside the main set with every peer (`--sweep --widths`), one clause per shape: the
+    best peer's time over xkern's per pass."""
+    clauses = []
+    for path in sorted(glob.glob(os.path.join(folder, f"{stem}-sweep-w*.json"))):
+        with open(path) as f:
+            res = json.load(f)
+        rs = ratios(res.get("rows", []))
+        by_shape: dict = {}
+        for r in rs:
+            by_shape.setdefault((r["shape"], r["dtype"]), {})[r["pass"]] = r
+        shapes = [f"{shape} {dtype}: " + ", ".join(f"{PASS_NAMES[p]} {_ratio_words(by[p])}"
+                                                   for p in ("fwd", "bwd", "fwd+bwd") if p in by)
+                  for (shape, dtype), by in sorted(by_shape.items(), key=lambda kv: int(kv[0][0].split("×")[-1]))]
+        md = os.path.relpath(os.path.splitext(path)[0] + ".md", readme_dir)
+        clauses.append("; ".join(shapes) + f" ([rows]({md}), commit {str(res.get('commit', '?'))[:7]})")
+    if not clauses:
+        return []
+    return ["", "Widths outside this set, with every peer (the best peer's time over xkern (torch)'s; above 1: "
+            "xkern faster): " + "; ".join(clauses) + "."]
+
+
 def _peers_line(peers: set) -> list[str]:
     named = [f"{p}: {PEERS[p]}" for p in sorted(peers) if p in PEERS]
     return ["", "Peers: " + "; ".join(named) + "."] if named else []
@@ -213,6 +268,8 @@ def section(json_path: str, readme_dir: str, peers: set | None = None) -> str:
     else:
         peers |= peers_seen
     out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel)
+    out += _sweep_widths(folder, stem, readme_dir)
+    out += _fused_add(folder, stem, rel)
     out += _moe(folder, stem)
     host_path = os.path.join(folder, stem + "-host.json")  # a later run of the host table alone, if any
     if os.path.exists(host_path):

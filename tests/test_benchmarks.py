@@ -154,6 +154,37 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     assert "| rms_norm forward | 16×4096 bf16 | 10.4 | 10.0 | 1.04 |" in text and "its own run, commit later12" in text
 
 
+def test_readme_section_states_the_fused_add_and_the_extra_widths(tmp_path):
+    """The fused add's table and the sweep's extra widths (`--sweep --widths`) are summed up from their JSON: the
+    best peer's time over xkern's per pass, the lowest named, xkern's own kernel under torch.compile's fusion pass
+    not counted as a peer; a set without them says nothing of them."""
+    from benchmarks import readme
+
+    results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": []}
+    (tmp_path / "g.json").write_text(json.dumps(results))
+    assert "Fused residual add" not in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+
+    def rows(op, shape, pass_, times):
+        base = {"op": op, "pass": pass_, "dtype": "bfloat16", "shape": shape, "status": "ok"}
+        return [{**base, "impl": i, "us": us, "frac": 1.0 / us} for i, us in times.items()]
+
+    add = rows("add_rms_norm", [8192, 4096], "fwd", {"xkern (torch)": 100.0, "quack": 98.0,
+                                                     "torch.compile (xkern norm, fusion pass)": 90.0})
+    add += rows("add_rms_norm", [8192, 4096], "fwd+bwd", {"xkern (torch)": 200.0, "quack": 206.0})
+    add += rows("add_rms_norm", [16384, 2048], "fwd+bwd", {"xkern (torch)": 200.0, "Liger": 210.0})
+    (tmp_path / "g-add_rms_norm.json").write_text(json.dumps({"commit": "abcdef123", "add_rms_norm": add}))
+    sweep = rows("rms_norm", [116508, 576], "bwd", {"xkern (torch)": 150.0, "quack": 162.0, "Liger": 300.0})
+    (tmp_path / "g-sweep-w576-rms_norm.json").write_text(json.dumps({"commit": "fedcba987", "rows": sweep}))
+    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert ("Fused residual add + RMSNorm ([its table](g-add_rms_norm.md), commit abcdef1; bfloat16, 2 widths from "
+            "2048 to 4096): forward + backward") in text
+    assert "the best peer's time over xkern's 1.03–1.05 (lowest at 8192×4096, quack)" in text
+    assert ("forward 0.01–0.01 of the ceiling, the best peer's time over xkern's 0.98–0.98 (lowest at 8192×4096, "
+            "quack)") in text
+    assert ("116508×576 bfloat16: backward alone 1.08 (quack) ([rows](g-sweep-w576-rms_norm.md), commit fedcba9)"
+            in text)
+
+
 def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
     """README's section over two GPU kinds: one peers legend after both (each kind's best peers named once);
     a kind whose MoE steps ran in torch alone has no JAX words or column in its MoE table."""
