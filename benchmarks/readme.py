@@ -145,6 +145,7 @@ def _moe(folder: str, stem: str) -> list[str]:
                               ", ".join(f"{_moe_path(r)} {r['us'] / 1000:.2f}" for r in peers),
                               f"{x['us'] / peers[0]['us']:.2f}",
                               f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}",
+                              str(res.get("commit", "?"))[:7],
                               f"{x['vs_torch_xkern']:.2f}" if x.get("vs_torch_xkern") else ""])
     out = []
     if lines:
@@ -153,17 +154,20 @@ def _moe(folder: str, stem: str) -> list[str]:
                      if gemms else "")  # a GPU kind with the torch steps alone
         out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
                 "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's" + jax_words + "):", ""]
-        head = ["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB", "JAX / torch (xkern)"]
+        head = ["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB", "commit",
+                "JAX / torch (xkern)"]
         out += _table(head, lines) if gemms else _table(head[:-1], [line[:-1] for line in lines])
     hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
     if os.path.exists(hf):
         with open(hf) as f:
-            by = {r["path"]: r for r in json.load(f)["rows"] if r.get("status") == "ok"}
+            step = json.load(f)
+        by = {r["path"]: r for r in step["rows"] if r.get("status") == "ok"}
         if "xkern" in by and "grouped_mm" in by:
             x, g = by["xkern"], by["grouped_mm"]
-            out += ["", f"Hugging Face Qwen3-MoE training step ({x['layers']} layers, {x['tokens']} tokens, AdamW): "
-                    f"xkern's experts {x['step_ms']:.1f} ms, transformers' grouped_mm {g['step_ms']:.1f} ms "
-                    f"({x['step_ms'] / g['step_ms']:.2f}x), peak {x['peak_mib']:.0f} / {g['peak_mib']:.0f} MiB."]
+            out += ["", f"Hugging Face Qwen3-MoE training step ({x['layers']} layers, {x['tokens']} tokens, AdamW; "
+                    f"commit {str(step.get('commit', '?'))[:7]}): xkern's experts {x['step_ms']:.1f} ms, transformers' "
+                    f"grouped_mm {g['step_ms']:.1f} ms ({x['step_ms'] / g['step_ms']:.2f}x), peak "
+                    f"{x['peak_mib']:.0f} / {g['peak_mib']:.0f} MiB."]
     return out
 
 

@@ -128,17 +128,18 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}, {**base, "impl": "bad", "us": 1.0, "peak_mib": 1.0, "ref_check": "fail: out"}]
-    (tmp_path / "g-moe-layer-s.json").write_text(json.dumps({"rows": moe}))
+    (tmp_path / "g-moe-layer-s.json").write_text(json.dumps({"commit": "torch12345", "rows": moe}))
     jbase = {**base, "framework": "jax"}
     jmoe = [{**jbase, "impl": "xkern", "us": 6000.0, "peak_mib": 20.0, "vs_torch_xkern": 2.0},
             {**jbase, "impl": "maxtext", "us": 5000.0, "peak_mib": 15.0},
             {**jbase, "part": "dispatch+combine", "impl": "xkern", "us": 1.0, "peak_mib": 1.0}]  # no peer: left out
-    (tmp_path / "g-jax-moe-layer-s.json").write_text(json.dumps({"rows": jmoe, "experts_gemm": "tiled",
+    (tmp_path / "g-jax-moe-layer-s.json").write_text(json.dumps({"rows": jmoe, "commit": "jax1234567",
+                                                                  "experts_gemm": "tiled",
                                                                   "experts_gemm_name": "tiles of dense GEMMs"}))
     text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
     assert "torch / JAX 0.80–1.00 (slowest: rms_norm 8×128 fwd" in text and "at abcdef1" in text
-    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 |  |" in text
-    assert "| jax | s (T=64) | layer | 6.00 | MaxText-style 5.00 | 1.20 | 20 / 15 | 2.00 |" in text
+    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 | torch12 |  |" in text
+    assert "| jax | s (T=64) | layer | 6.00 | MaxText-style 5.00 | 1.20 | 20 / 15 | jax1234 | 2.00 |" in text
     assert "bad" not in text and "dispatch+combine" not in text and "tiles of dense GEMMs" in text
     assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" not in text  # links only the tables that exist
     (tmp_path / "g-jax-moe-layer-s.md").write_text("table")
@@ -200,14 +201,14 @@ def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
     base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}]
-    (tmp_path / "gpu-b" / "gpu-b-moe-layer-s.json").write_text(json.dumps({"rows": moe}))
+    (tmp_path / "gpu-b" / "gpu-b-moe-layer-s.json").write_text(json.dumps({"commit": "0123456789", "rows": moe}))
     text = readme.body(str(tmp_path), str(tmp_path))
     legends = [line for line in text.splitlines() if line.startswith("Peers: ")]
     assert len(legends) == 1 and "Liger: " in legends[0] and "quack: " in legends[0]
     assert text.index(legends[0]) > text.index("### GPU-B")
-    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 |\n" in text
+    assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 | 0123456 |\n" in text
     assert "JAX" not in text.split("MoE layer step", 1)[1].split("|", 1)[0]  # the table's caption
-    assert "| front end | size | part | xkern | peers | xkern / fastest | peak MiB |\n" in text
+    assert "| front end | size | part | xkern | peers | xkern / fastest | peak MiB | commit |\n" in text
 
 
 @pytest.mark.slow

@@ -561,8 +561,8 @@ def test_regime_boundaries_match_the_oracle(width):
     _check_all(x, w, dy, EPS, *_torch_run(x, w, dy, EPS))
 
 
-@pytest.mark.parametrize("dtype, w_dtype", [("float32", "float32"), ("float16", "float32")])
-@pytest.mark.parametrize("width", [512, 513, 576, 577])
+@pytest.mark.parametrize("dtype, w_dtype, width", [("float32", "float32", 576), ("float32", "float32", 577),
+                                                   ("float16", "float32", 513)])
 def test_four_byte_rows_at_513_576_match_the_oracle(dtype, w_dtype, width):
     """4-byte rows (fp32 x, or a 2-byte x whose fp32 weight makes dy fp32) take the backward's row kernel in
     9 x 64 at 513-576 as 2-byte rows do, the prefetching tile either side: the plan launched on NaN-poisoned
