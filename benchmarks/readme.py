@@ -147,27 +147,30 @@ def _moe(folder: str, stem: str) -> list[str]:
                               f"{x['peak_mib']:.0f} / {min(r['peak_mib'] for r in peers):.0f}",
                               str(res.get("commit", "?"))[:7],
                               f"{x['vs_torch_xkern']:.2f}" if x.get("vs_torch_xkern") else ""])
-    out = []
-    if lines:
-        jax_words = (", compiled peaks for JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX "
-                     "faster; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms))
-                     if gemms else "")  # a GPU kind with the torch steps alone
-        out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
-                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's" + jax_words + "):", ""]
-        head = ["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB", "commit",
-                "JAX / torch (xkern)"]
-        out += _table(head, lines) if gemms else _table(head[:-1], [line[:-1] for line in lines])
-    hf = os.path.join(folder, f"{stem}-hf-moe-step.json")
+    hf, hf_words = os.path.join(folder, f"{stem}-hf-moe-step.json"), ""
     if os.path.exists(hf):
         with open(hf) as f:
             step = json.load(f)
         by = {r["path"]: r for r in step["rows"] if r.get("status") == "ok"}
         if "xkern" in by and "grouped_mm" in by:
             x, g = by["xkern"], by["grouped_mm"]
-            out += ["", f"Hugging Face Qwen3-MoE training step ({x['layers']} layers, {x['tokens']} tokens, AdamW; "
-                    f"commit {str(step.get('commit', '?'))[:7]}): xkern's experts {x['step_ms']:.1f} ms, transformers' "
-                    f"grouped_mm {g['step_ms']:.1f} ms ({x['step_ms'] / g['step_ms']:.2f}x), peak "
-                    f"{x['peak_mib']:.0f} / {g['peak_mib']:.0f} MiB."]
+            lines.append(["torch", f"Hugging Face Qwen3-MoE ({x['layers']} layers, T={x['tokens']})",
+                          "training step (AdamW)", f"{x['step_ms']:.2f}",
+                          f"transformers' grouped_mm {g['step_ms']:.2f}",
+                          f"{x['step_ms'] / g['step_ms']:.2f}", f"{x['peak_mib']:.0f} / {g['peak_mib']:.0f}",
+                          str(step.get("commit", "?"))[:7], ""])
+            hf_words = "; the last row a Hugging Face model's training step, forward, backward and optimizer"
+    out = []
+    if lines:
+        jax_words = (", compiled peaks for JAX; JAX / torch: JAX's xkern step time over torch's, below 1: JAX "
+                     "faster; JAX's experts' GEMM, the same for both its paths: " + "; ".join(sorted(gemms))
+                     if gemms else "")  # a GPU kind with the torch steps alone
+        out += ["", "MoE layer step, forward + backward (ms; the paths within the FP32 reference's tolerance; "
+                "xkern / fastest below 1: xkern faster; peak MiB: xkern / the lowest peer's" + jax_words + hf_words
+                + "):", ""]
+        head = ["front end", "size", "part", "xkern", "peers", "xkern / fastest", "peak MiB", "commit",
+                "JAX / torch (xkern)"]
+        out += _table(head, lines) if gemms else _table(head[:-1], [line[:-1] for line in lines])
     return out
 
 
@@ -271,9 +274,11 @@ def section(json_path: str, readme_dir: str, peers: set | None = None) -> str:
         out += _peers_line(peers_seen)
     else:
         peers |= peers_seen
-    out += _jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel)
-    out += _sweep_widths(folder, stem, readme_dir)
-    out += _fused_add(folder, stem, rel)
+    # the side results' lines, one paragraph
+    side = [line for part in (_jax_torch(os.path.join(folder, stem + "-jax-torch-profile.json"), rel),
+                              _sweep_widths(folder, stem, readme_dir), _fused_add(folder, stem, rel))
+            for line in part if line]
+    out += ["", " ".join(side)] if side else []
     out += _moe(folder, stem)
     host_path = os.path.join(folder, stem + "-host.json")  # a later run of the host table alone, if any
     if os.path.exists(host_path):

@@ -142,6 +142,12 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     assert "| jax | s (T=64) | layer | 6.00 | MaxText-style 5.00 | 1.20 | 20 / 15 | jax1234 | 2.00 |" in text
     assert "bad" not in text and "dispatch+combine" not in text and "tiles of dense GEMMs" in text
     assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" not in text  # links only the tables that exist
+    hf = [{"path": p, "status": "ok", "layers": 2, "tokens": 64, "step_ms": ms, "peak_mib": 9.0}
+          for p, ms in (("xkern", 30.0), ("grouped_mm", 40.0))]
+    (tmp_path / "g-hf-moe-step.json").write_text(json.dumps({"commit": "hf12345678", "rows": hf}))
+    assert ("| torch | Hugging Face Qwen3-MoE (2 layers, T=64) | training step (AdamW) | 30.00 | transformers' "
+            "grouped_mm 40.00 | 0.75 | 9 / 9 | hf12345 |  |") in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    (tmp_path / "g-hf-moe-step.json").unlink()
     (tmp_path / "g-jax-moe-layer-s.md").write_text("table")
     assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" in readme.section(str(tmp_path / "g.json"), str(tmp_path))
     # a later run of the host table alone (`--host`) takes the place of the set's own host rows, its commit named
