@@ -179,7 +179,7 @@ def test_strided_views_read_in_place():
     assert same_bits(xs.grad, xc.grad)
 
 
-@pytest.mark.parametrize("rows, width", [(33, 128), (37, 80), (7, 300), (5, 2560), (2, 9000),
+@pytest.mark.parametrize("rows, width", [(33, 128), (37, 80), (7, 300), (9, 576), (5, 2560), (2, 9000),
                                          pytest.param(2, 20000, marks=SLOW), pytest.param(1, 70000, marks=SLOW)])
 def test_every_output_element_is_written(rows, width):
     """Launch the plans on NaN-poisoned outputs: a missed element would stay NaN."""
@@ -553,9 +553,10 @@ BOUNDARIES = [64, 65, 767, 768, 256, 257, 512, 513, 576, 577, 2048, 2049, 3072, 
 
 @pytest.mark.parametrize("width", BOUNDARIES)
 def test_regime_boundaries_match_the_oracle(width):
-    """Each side of each boundary where the plans change kernel, tile or split: forward and backward against
-    the oracle on NaN-poisoned outputs (rows: a partial tile of the narrow tiles, and more than one row per
-    persistent program of the wide kernels' smallest grid of 2)."""
+    """Each side of each boundary where the plans change kernel, tile or split: forward and backward through
+    the torch front end against the oracle (rows: a partial tile of the narrow tiles, and more than one row per
+    persistent program of the wide kernels' smallest grid of 2). NaN-poisoned outputs:
+    test_every_output_element_is_written."""
     rows = 33 if width <= 256 else 3
     x, w, dy = _inputs(_rng("boundary", width), (rows, width), "bfloat16")
     _check_all(x, w, dy, EPS, *_torch_run(x, w, dy, EPS))

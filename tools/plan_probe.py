@@ -91,7 +91,7 @@ def bwd_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", 
 
 def bwd_tile_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", *, streams=2, itemsize=2, **_):
     """The backward's plan before its rules for masked widths (BWD_NINE, BWD_FIVE): the prefetching tiles."""
-    with unittest.mock.patch.object(XP, "_bwd_masked_row", lambda n_cols, itemsize: None):
+    with unittest.mock.patch.object(XP, "bwd_masked_row", lambda n_cols, itemsize: None):
         return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=streams, itemsize=itemsize)
 
 

@@ -60,8 +60,8 @@ BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_n
 # from 24576), their dw partials spilling more; the fused add's fp32 residual stream was not timed.
 BWD_WIDE_ROW_MAX = {(2, 2): 32768, (2, 3): 7 * 4096, (4, 2): 9 * 2048, (4, 3): MAX_BWD_BLOCK}
 BWD_WIDE_HOLD_W = 20480
-# Widths where the prefetching tile's power-of-two block leaves many lanes masked, with 2-byte rows and two
-# streams: the row kernel in SPLIT blocks instead, as (BLOCK_N, SPLIT, num_warps, programs per SM).
+# Widths where the prefetching tile's power-of-two block leaves many lanes masked, with two streams (4480-5120:
+# 2-byte rows only): the row kernel in SPLIT blocks instead, as (BLOCK_N, SPLIT, num_warps, programs per SM).
 # 4480-5120 (1024 x 5, split_row): 4 warps, 3 per SM, 5-7 % faster than the 8192-element tile, which leaves
 # 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
 # 513-576 (64 x 9): one warp, 16 per SM, 3-8 % faster than the 1024-element tile, which leaves up to 7/16
@@ -82,7 +82,7 @@ def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
     return 1, num_warps, max(1, 8192 // block_n), True
 
 
-def _bwd_masked_row(n_cols: int, itemsize: int) -> tuple[int, int, int, int] | None:
+def bwd_masked_row(n_cols: int, itemsize: int) -> tuple[int, int, int, int] | None:
     """The row kernel's blocks, warps and programs per SM at the widths BWD_NINE (any rows) and BWD_FIVE
     (2-byte rows) take with two streams, else None."""
     if 512 < n_cols <= BWD_NINE[0] * BWD_NINE[1]:
@@ -201,7 +201,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         groups = max(2, min(n_rows, NUM_SMS))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
                      {**row, "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
-    elif streams <= 2 and (rule := _bwd_masked_row(n_cols, itemsize)):
+    elif streams <= 2 and (rule := bwd_masked_row(n_cols, itemsize)):
         block, split, num_warps, per_sm = rule
         groups = max(2, min(n_rows, NUM_SMS * per_sm))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
