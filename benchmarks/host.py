@@ -1,5 +1,5 @@
 """What a call costs the host: every torch op of xkern at a small shape beside its peers and the floor of
-this host, and a Llama-style block's training step, eager and compiled.
+this host.
 
 Per call: a tight eager loop of calls with one synchronize at the end, every entry's loop taken in turn
 in rounds (median), so the host's drift falls on all of them alike. `wall_us` counts that synchronize
@@ -15,7 +15,6 @@ allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row).
 from __future__ import annotations
 
 import functools
-import statistics
 
 import triton
 
@@ -27,13 +26,6 @@ from benchmarks.timing import error_status
 HOST_ROWS = {"cuda": (16, 4096), "cpu": (4, 256)}          # x of the RMSNorm calls
 HOST_TOKENS = {"cuda": (16, 4096), "cpu": (4, 32)}         # (T, H) of the gathers: T x top-8 rows
 LOOP = 2000
-# The block: [batch, seq, dim], heads, MLP hidden size
-BLOCK = {"cuda": dict(batch=1, seq=256, dim=2048, heads=16, hidden=5632), "cpu": dict(batch=1, seq=4, dim=64,
-                                                                                       heads=4, hidden=128)}
-# Block steps per norm and mode, in rounds taken in turn with the other norm's. Between runs (other hosts,
-# other times) the two norms' compiled steps have swapped order by up to 15 %: the rounds' range goes with
-# each median.
-BLOCK_LOOP, BLOCK_ROUNDS = 600, 10
 
 
 @triton.jit
@@ -337,123 +329,3 @@ def host_table(device: str, log) -> list[dict]:
     ok = [r for r in rows if "wall_us" in r and r["impl"].startswith("xkern")]
     log("host overhead (wall µs per call): " + ", ".join(f"{r['op']} {r['pass']} {r['wall_us']:.1f}" for r in ok))
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------
-# A Llama-style block's training step
-
-
-def _block(norm: str, cfg: dict, device: str):
-    import torch
-    import torch.nn.functional as F
-
-    import torch_api
-
-    class HFNorm(torch.nn.Module):
-        def __init__(self, dim):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(dim))
-
-        def forward(self, x):
-            return RN.hf_rms_norm(x, self.weight)
-
-    def make_norm(dim):
-        return torch_api.RMSNorm(dim, RN.EPS) if norm.startswith("xkern") else HFNorm(dim)
-
-    fused_add = norm == "xkern+add"  # the residual add before the MLP's norm in it (torch_api.add_rms_norm)
-
-    class Block(torch.nn.Module):
-        """Pre-norm: RMSNorm, causal attention (SDPA as the stand-in), RMSNorm, SwiGLU MLP."""
-
-        def __init__(self, dim, heads, hidden):
-            super().__init__()
-            self.heads = heads
-            self.attn_norm, self.mlp_norm = make_norm(dim), make_norm(dim)
-            self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-            self.o = torch.nn.Linear(dim, dim, bias=False)
-            self.gate_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
-            self.down = torch.nn.Linear(hidden, dim, bias=False)
-
-        def forward(self, x):
-            b, s, d = x.shape
-            q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-            if fused_add:
-                h, x = self.mlp_norm(self.o(a), x)
-            else:
-                x = x + self.o(a)
-                h = self.mlp_norm(x)
-            gate, up = self.gate_up(h).chunk(2, dim=-1)
-            return x + self.down(F.silu(gate) * up)
-
-    torch.manual_seed(0)
-    return Block(cfg["dim"], cfg["heads"], cfg["hidden"]).to(device=device, dtype=torch.bfloat16)
-
-
-def block_table(device: str, log) -> list[dict]:
-    """Forward + backward of one block: eager, torch.compile, compile with CUDA graphs ("reduce-overhead"),
-    each with xkern's norm (torch_api.RMSNorm), with xkern's norm and the residual add fused into the MLP's
-    norm ("xkern+add": torch_api.add_rms_norm) and with the eager HF norm; the norms' steps of a mode timed in
-    turn (`timing.host_us_interleaved`)."""
-    import torch
-
-    cfg = BLOCK[device]
-    rows = []
-    for mode in ("eager", "compile", "reduce-overhead"):
-        by_norm = {norm: {"mode": mode, "norm": norm, "config": cfg} for norm in ("xkern", "xkern+add", "HF eager")}
-        rows += by_norm.values()
-        if mode == "reduce-overhead" and device != "cuda":
-            for row in by_norm.values():
-                row["status"] = "skipped: CUDA graphs need a GPU"
-            continue
-        torch._dynamo.reset()
-        steps = {}
-        for norm, row in by_norm.items():
-            try:
-                steps[norm] = _block_step(mode, norm, cfg, device)
-            except Exception as err:  # noqa: BLE001
-                row["status"] = error_status(err)
-                log(f"block {mode} with {norm} norm: {row['status']}")
-        for norm, got in timing.host_us_rounds(steps, _sync(device), BLOCK_LOOP, BLOCK_ROUNDS).items():
-            row = by_norm[norm]
-            if isinstance(got, BaseException):
-                row["status"] = error_status(got)
-                log(f"block {mode} with {norm} norm: {row['status']}")
-                continue
-            walls = [w for w, _ in got]
-            row["wall_us"], row["issue_us"] = statistics.median(walls), statistics.median(i for _, i in got)
-            row["wall_us_range"] = [min(walls), max(walls)]  # the rounds': differences inside it are noise
-            try:
-                if mode == "reduce-overhead":  # already CUDA graphs, which cannot be captured again
-                    row["device_us"] = timing.torch_eager_us([steps[norm]])
-                    row["timing"] = "do_bench of the compiled graphs' replays"
-                else:
-                    row["device_us"], row["timing"] = timing.torch_device_us(lambda step=steps[norm]: [step],
-                                                                             eager_fallback=False)
-            except Exception as err:  # noqa: BLE001
-                row["timing"] = error_status(err)
-            device_us = f"{row['device_us']:.0f} µs" if "device_us" in row else row.get("timing")
-            log(f"block {mode} with {norm} norm: wall {row['wall_us']:.0f} µs/step, device {device_us}")
-    return rows
-
-
-def _block_step(mode: str, norm: str, cfg: dict, device: str):
-    """One training step's gradients (`torch.autograd.grad` of the block's output) as a callable."""
-    import torch
-
-    block = _block(norm, cfg, device)
-    model = block
-    if mode != "eager":
-        backend = "inductor" if device == "cuda" else "aot_eager"
-        model = torch.compile(block, fullgraph=True, backend=backend,
-                              mode="reduce-overhead" if mode == "reduce-overhead" else None)
-    leaves = [torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], device=device, dtype=torch.bfloat16,
-                          requires_grad=True), *block.parameters()]
-    dy = torch.randn_like(leaves[0])
-
-    def step(graphs=mode == "reduce-overhead"):
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        return torch.autograd.grad(model(leaves[0]), leaves, dy)
-
-    return step

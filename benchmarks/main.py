@@ -7,8 +7,7 @@
 `--only add_rms_norm`: the fused residual add's table (benchmarks/add_rms_norm.py), into
 `<gpu>-add_rms_norm.json` and `.md` (a run of its own: the main run does not make it).
 
-With a CUDA GPU: the copy ceiling, the host cost per call of every torch op and of a Llama-style block
-step (`benchmarks/host.py`), the sharded path's cost on a 1-device mesh (`benchmarks/sharded.py`), then
+With a CUDA GPU: the copy ceiling, the host cost per call of every torch op (`benchmarks/host.py`), then
 every case of every op (`benchmarks/runner.py`: each xkern result checked before it is timed). Writes
 `DIR/<gpu>.json` (all the data, stamped with the commit and date), `<gpu>.md` (every table) and the plots
 generated from it, and prints the tables last. DIR defaults to `benchmarks/results/<gpu>/` (`<gpu>` the GPU
@@ -17,7 +16,7 @@ refreshes README's benchmarks section. `--sweep`: the
 RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
 and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`; `--widths`: only those widths,
 into `<gpu>-sweep-w<widths>.json`, to re-measure a plan change with every peer in one short call). `--host`: the
-host-cost and block tables alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to
+host-cost table alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to
 the call path).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
@@ -47,9 +46,9 @@ from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha
 DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
          "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
 # Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
-# the host table with the block step (six compiled or eager configurations) and the sharded table (estimate).
+# the host table (estimate).
 CASE_S = {"rms_norm": 15.0, "permute_rows": 4.0, "unpermute_rows": 4.0}
-HOST_S = 180.0
+HOST_S = 90.0
 
 
 def log(msg: str) -> None:
@@ -95,8 +94,8 @@ def configure_dynamo() -> None:
 
 
 def release() -> None:
-    """Give back what a table's compiled functions and CUDA graphs hold: the block's reduce-overhead graphs
-    keep their memory pools until Dynamo forgets them."""
+    """Give back what a table's compiled functions and CUDA graphs hold (Dynamo keeps graphs' memory pools
+    until it forgets them)."""
     if not GPU:
         return
     import gc
@@ -168,7 +167,7 @@ def output_stem(gpu: str, args) -> str:
 def run(args) -> int:
     import torch
 
-    from benchmarks import host, report, runner, sharded, timing
+    from benchmarks import host, report, runner, timing
 
     start = time.time()
     device = "cuda" if GPU else "cpu"
@@ -200,7 +199,7 @@ def run(args) -> int:
             "host": "tight eager loop, one synchronize at the end: wall µs per call (issue: before the sync)",
         },
         "rms_norm": {"eps": 1e-6}, "permute": {},
-        "ceiling": None, "rows": [], "host": [], "block": [], "sharded": [], "add_rms_norm": [], "skipped": [],
+        "ceiling": None, "rows": [], "host": [], "add_rms_norm": [], "skipped": [],
     }
     if "permute" in str(args.only) or args.only is None:
         from benchmarks.permute import ROUTING
@@ -221,7 +220,7 @@ def run(args) -> int:
     host_first = mode.startswith("host") or not (mode.startswith("sweep") or args.no_host) and args.only in (
         None, "rms_norm")
     est = sum(CASE_S[case.op] for _, case, _ in work) + HOST_S * host_first
-    log(f"{mode}: {len(work)} cases{' after the host table and the block step' if host_first else ''}"
+    log(f"{mode}: {len(work)} cases{' after the host table' if host_first else ''}"
         + (f", about {est / 60:.0f} min on an H200 (new cases stop after {args.budget_s:.0f} s)" if GPU else
            ": checked against the FP64 oracle, every timed path run through once (no timings without a GPU)"))
     # The tables' progress lines are their timings: not printed where nothing is measured (their rows are
@@ -232,13 +231,7 @@ def run(args) -> int:
             results["host"] = host.host_table(device, table_log)
     elif host_first:
         results["host"] = host.host_table(device, table_log)
-        save()
-        results["block"] = host.block_table(device, table_log)
-        save()
         release()
-        if not mode.startswith("host"):
-            results["sharded"] = sharded.sharded_table(device, table_log)
-            release()
     if args.only == "add_rms_norm":  # its own run: with the main cases the run takes over 10 minutes
         from benchmarks.add_rms_norm import add_rms_norm_table
 
@@ -315,15 +308,11 @@ def validation_summary(results: dict) -> str:
         lines.append(f"- {op}: xkern against the FP64 oracle {passed}/{len(xkern)} pass ({shapes} shapes), "
                      f"JAX bitwise torch {sum(bool(r['bitwise_equal_torch']) for r in jax)}/{len(jax)}, timed paths "
                      f"run through {len(ran)} (of {len(rows)} rows), errors {errors}")
-    for name in ("host", "block", "sharded", "add_rms_norm"):
+    for name in ("host", "add_rms_norm"):
         rows = results[name]
         if rows:
             errors = sum(r.get("status", "").startswith("error") for r in rows)
-            extra = ""
-            if name == "sharded":
-                same = [r for r in rows if "bitwise_equal_plain" in r and "width" not in r["form"]]
-                extra = f", bitwise the plain call {sum(r['bitwise_equal_plain'] for r in same)}/{len(same)}"
-            lines.append(f"- {name} table: {len(rows)} rows run through{extra}, errors {errors}")
+            lines.append(f"- {name} table: {len(rows)} rows run through, errors {errors}")
     if results["skipped"]:
         lines.append(f"- cases that did not run: {len(results['skipped'])}")
     return "\n".join(lines)
@@ -346,12 +335,9 @@ def failures(results: dict, strict: bool) -> int:
             bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r.get('check')} {r['status']}")
         elif strict and r["status"].startswith("error"):
             bad.append(f"{r['impl']} add_rms_norm {r['pass']} {r['shape']}: {r['status']}")
-    for r in results["host"] + results["block"] + results["sharded"]:
+    for r in results["host"]:
         if strict and r.get("status", "").startswith("error"):
-            bad.append(f"{r.get('op', 'block')} {r.get('impl', r.get('mode', r.get('form')))}: {r['status']}")
-    for r in results["sharded"]:  # the sharded forms run the same kernels as the plain call
-        if r.get("bitwise_equal_plain") is False and "width" not in r["form"]:
-            bad.append(f"sharded {r['framework']} {r['form']}: not bitwise equal to the plain call")
+            bad.append(f"{r['op']} {r['impl']}: {r['status']}")
     if strict:
         bad += results["skipped"]
     for line in bad:
@@ -365,12 +351,12 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="a few shapes only")
     group.add_argument("--sweep", action="store_true", help="the RMSNorm width sweep (~12 min on an H200)")
-    group.add_argument("--host", action="store_true", help="the host-cost and block tables only (~2 min on an "
-                       "H200; to <gpu>-host.json)")
+    group.add_argument("--host", action="store_true", help="the host-cost table only (~1 min on an H200; to "
+                       "<gpu>-host.json)")
     parser.add_argument("--smoke", action="store_true", help="every benchmark path at tiny sizes, timings not "
                         "measured (with --sweep: the sweep's)")
     parser.add_argument("--no-host", action="store_true",
-                        help="the cases only: no host, block or sharded table (measured in another part or run)")
+                        help="the cases only: no host table (measured in another part or run)")
     parser.add_argument("--part", help="K/N: every N-th case from the K-th (split a sweep or the main job over "
                         "processes or runs; with --no-host after the first)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")

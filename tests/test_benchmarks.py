@@ -5,7 +5,6 @@ here first. Timings of a smoke run are not measurements; only that everything ra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +16,13 @@ import torch
 from helpers import DEVICE
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _section(folder) -> str:
+    """README's section for the result set `folder/g.json` and the step results beside it."""
+    from benchmarks import report
+
+    return report.section(str(folder / "g.json"), str(folder), set())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: the benchmark itself runs there (`bash scripts/main.sh`, "
@@ -47,18 +53,15 @@ def test_benchmark_smoke_runs_every_path(tmp_path):
     assert floors == {("rms_norm", "fwd"), ("rms_norm", "fwd+bwd"), ("permute_rows", "fwd"), ("unpermute_rows", "fwd"),
                       ("inverse_permutation", "fwd"), ("generate_permute_indices", "fwd")}
     assert "its floor" in path.with_suffix(".md").read_text()
-    assert sum("wall_us" in b for b in results["block"]) == 6  # eager and compile, three norms (graphs need CUDA)
     assert results["add_rms_norm"] == []  # its own run (`--only add_rms_norm`, test_add_rms_norm_table_runs_every_path)
-    forms = {(r["framework"], r["form"]) for r in results["sharded"] if "device_us" in r}
-    assert len(forms) == 7 and all(r["bitwise_equal_plain"] for r in results["sharded"] if "width" not in r["form"])
     md = path.with_suffix(".md").read_text()
-    assert "Host cost per call" in md and "width sweep" in md and "1-device mesh" in md
+    assert "Host cost per call" in md and "width sweep" in md
 
-    from benchmarks import readme, report  # the sweep's parts merged; README's section from the result sets
+    from benchmarks import report  # the sweep's parts merged; README's section from the result sets
 
     merged = tmp_path / f"{path.stem}-sweep.json"
     report.merge(str(merged), [str(path), str(path)])
-    section = readme.section(str(path), str(tmp_path))
+    section = report.section(str(path), str(tmp_path), set())
     assert "slowest against the best peer" in section and "slowest JAX against torch" in section
     assert f"[data]({path.stem}.json)" in section and results["gpu"] in section
 
@@ -77,7 +80,6 @@ def test_main_counts_the_ptxas_routers_calls(tmp_path):
 def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
     """README's "slowest JAX against torch" is torch's profiler time over JAX's where both rows have one (the
     torch row's own time is a CUDA graph's, another method), else the two rows' fractions of the ceiling."""
-    from benchmarks import readme
 
     row = {"op": "rms_norm", "pass": "bwd", "dtype": "bfloat16", "shape": [32768, 128], "status": "ok"}
     rows = [{**row, "impl": "xkern (torch)", "frac": 0.5, "us": 14.6, "profile_us": 15.3},
@@ -85,19 +87,19 @@ def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
             {**row, "impl": "quack", "frac": 0.4, "us": 18.0}]
     results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": rows}
     (tmp_path / "g.json").write_text(json.dumps(results))
-    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
-    assert "| 0.96 at 32768×128 |" in text and "not the one profiler method" not in text  # 15.3 / 15.9
+    text = _section(tmp_path)
+    assert "| 0.96 at 32768×128 |" in text  # 15.3 / 15.9
     for r in rows:
         r.pop("profile_us", None)
     (tmp_path / "g.json").write_text(json.dumps(results))
-    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
-    assert "| 0.92 at 32768×128 |" in text and "not the one profiler method" in text  # 14.6 / 15.9
+    text = _section(tmp_path)
+    assert "| 0.92 at 32768×128 |" in text  # 14.6 / 15.9
 
 
 def test_best_peer_is_timed_as_xkern_is():
     """The best peer's ratio compares like with like: a JAX peer's profiler time with xkern's profiler time, a
     torch peer's CUDA-graph time with xkern's (through their fractions of the ceiling); the fastest wins."""
-    from benchmarks.ratios import ratios
+    from benchmarks.report import ratios
 
     row = {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [262144, 64], "status": "ok"}
     xk = {**row, "impl": "xkern (torch)", "frac": 0.60, "us": 25.3, "profile_us": 24.1}
@@ -114,17 +116,12 @@ def test_best_peer_is_timed_as_xkern_is():
 def test_readme_section_summarises_the_side_results(tmp_path):
     """A GPU kind's README section sums up the JAX/torch profile and the MoE steps beside the main set, from the
     JSON each wrote: ratios computed from the rows, a row failing its FP32 check left out."""
-    from benchmarks import readme
 
     results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": []}
     (tmp_path / "g.json").write_text(json.dumps(results))
-    from tools import jax_torch_profile
-
-    prof = [{"op": "rms_norm", "shape": [8, 128], "pass": p, "impl": i, "device_us": us}
-            for p, i, us in (("fwd", "xkern (torch)", 10.0), ("fwd", "xkern (jax)", 12.5),
-                             ("bwd", "xkern (torch)", 9.0), ("bwd", "xkern (jax)", 9.0))]
-    (tmp_path / "g-jax-torch-profile.json").write_text(json.dumps({"commit": "abcdef123", "rows": prof,
-                                                                   "pairs": jax_torch_profile.pairs(prof)}))
+    pairs = [{"op": "rms_norm", "shape": [8, 128], "pass": p, "torch_over_jax": r} for p, r in (("fwd", 0.8),
+                                                                                                  ("bwd", 1.0))]
+    (tmp_path / "g-jax-torch-profile.json").write_text(json.dumps({"commit": "abcdef123", "pairs": pairs}))
     base = {"framework": "torch", "status": "ok", "ref_check": "pass", "size": "s", "tokens": 64, "part": "layer"}
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}, {**base, "impl": "bad", "us": 1.0, "peak_mib": 1.0, "ref_check": "fail: out"}]
@@ -136,7 +133,7 @@ def test_readme_section_summarises_the_side_results(tmp_path):
     (tmp_path / "g-jax-moe-layer-s.json").write_text(json.dumps({"rows": jmoe, "commit": "jax1234567",
                                                                   "experts_gemm": "tiled",
                                                                   "experts_gemm_name": "tiles of dense GEMMs"}))
-    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    text = _section(tmp_path)
     assert "torch / JAX 0.80–1.00 (slowest: rms_norm 8×128 fwd" in text and "at abcdef1" in text
     assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 | torch12 |  |" in text
     assert "| jax | s (T=64) | layer | 6.00 | MaxText-style 5.00 | 1.20 | 20 / 15 | jax1234 | 2.00 |" in text
@@ -146,18 +143,17 @@ def test_readme_section_summarises_the_side_results(tmp_path):
           for p, ms in (("xkern", 30.0), ("grouped_mm", 40.0))]
     (tmp_path / "g-hf-moe-step.json").write_text(json.dumps({"commit": "hf12345678", "rows": hf}))
     assert ("| torch | Hugging Face Qwen3-MoE (2 layers, T=64) | training step (AdamW) | 30.00 | transformers' "
-            "grouped_mm 40.00 | 0.75 | 9 / 9 | hf12345 |  |") in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+            "grouped_mm 40.00 | 0.75 | 9 / 9 | hf12345 |  |") in _section(tmp_path)
     (tmp_path / "g-hf-moe-step.json").unlink()
     (tmp_path / "g-jax-moe-layer-s.md").write_text("table")
-    assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "[JAX MoE layer, s](g-jax-moe-layer-s.md)" in _section(tmp_path)
     # a later run of the host table alone (`--host`) takes the place of the set's own host rows, its commit named
     host = [{"op": "rms_norm", "pass": "fwd", "impl": i, "wall_us": us, "shape": "x 16×4096 bf16"}
             for i, us in (("xkern (torch)", 10.4), ("F.rms_norm", 10.0))]
     (tmp_path / "g.json").write_text(json.dumps({**results, "host": [{**h, "wall_us": 99.0} for h in host]}))
-    assert "| rms_norm forward | 16×4096 bf16 | 99.0 | 99.0 | 1.00 |" in readme.section(str(tmp_path / "g.json"),
-                                                                                       str(tmp_path))
+    assert "| rms_norm forward | 16×4096 bf16 | 99.0 | 99.0 | 1.00 |" in _section(tmp_path)
     (tmp_path / "g-host.json").write_text(json.dumps({"commit": "later12", "host": host}))
-    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    text = _section(tmp_path)
     assert "| rms_norm forward | 16×4096 bf16 | 10.4 | 10.0 | 1.04 |" in text and "its own run, commit later12" in text
 
 
@@ -165,11 +161,10 @@ def test_readme_section_states_the_fused_add_and_the_extra_widths(tmp_path):
     """The fused add's table and the sweep's extra widths (`--sweep --widths`) are summed up from their JSON: the
     best peer's time over xkern's per pass, the lowest named, xkern's own kernel under torch.compile's fusion pass
     not counted as a peer; a set without them says nothing of them."""
-    from benchmarks import readme
 
     results = {"gpu": "G", "date": "d", "commit": "c", "ceiling": {"gbps": 3000.0}, "rows": []}
     (tmp_path / "g.json").write_text(json.dumps(results))
-    assert "Fused residual add" not in readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    assert "Fused residual add" not in _section(tmp_path)
 
     def rows(op, shape, pass_, times):
         base = {"op": op, "pass": pass_, "dtype": "bfloat16", "shape": shape, "status": "ok"}
@@ -182,7 +177,7 @@ def test_readme_section_states_the_fused_add_and_the_extra_widths(tmp_path):
     (tmp_path / "g-add_rms_norm.json").write_text(json.dumps({"commit": "abcdef123", "add_rms_norm": add}))
     sweep = rows("rms_norm", [116508, 576], "bwd", {"xkern (torch)": 150.0, "quack": 162.0, "Liger": 300.0})
     (tmp_path / "g-sweep-w576-rms_norm.json").write_text(json.dumps({"commit": "fedcba987", "rows": sweep}))
-    text = readme.section(str(tmp_path / "g.json"), str(tmp_path))
+    text = _section(tmp_path)
     assert ("Fused residual add + RMSNorm ([its table](g-add_rms_norm.md), commit abcdef1; bfloat16, 2 widths from "
             "2048 to 4096): forward + backward") in text
     assert "the best peer's time over xkern's 1.03–1.05 (lowest at 8192×4096, quack)" in text
@@ -195,7 +190,7 @@ def test_readme_section_states_the_fused_add_and_the_extra_widths(tmp_path):
 def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
     """README's section over two GPU kinds: one peers legend after both (each kind's best peers named once);
     a kind whose MoE steps ran in torch alone has no JAX words or column in its MoE table."""
-    from benchmarks import readme
+    from benchmarks import report
 
     row = {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [64, 128], "status": "ok"}
     for kind, peer in (("gpu-a", "quack"), ("gpu-b", "Liger")):
@@ -208,26 +203,13 @@ def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
     moe = [{**base, "impl": "xkern", "us": 3000.0, "peak_mib": 10.0}, {**base, "impl": "liger", "us": 4000.0,
            "peak_mib": 12.0}]
     (tmp_path / "gpu-b" / "gpu-b-moe-layer-s.json").write_text(json.dumps({"commit": "0123456789", "rows": moe}))
-    text = readme.body(str(tmp_path), str(tmp_path))
+    text = report.body(str(tmp_path), str(tmp_path))
     legends = [line for line in text.splitlines() if line.startswith("Peers: ")]
     assert len(legends) == 1 and "Liger: " in legends[0] and "quack: " in legends[0]
     assert text.index(legends[0]) > text.index("### GPU-B")
     assert "| torch | s (T=64) | layer | 3.00 | Liger fused MoE 4.00 | 0.75 | 10 / 12 | 0123456 |\n" in text
     assert "JAX" not in text.split("MoE layer step", 1)[1].split("|", 1)[0]  # the table's caption
     assert "| front end | size | part | xkern | peers | xkern / fastest | peak MiB | commit |\n" in text
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.block_profile` itself there")
-def test_block_profile_runs(tmp_path):
-    """The compiled block's host profile (`tools.block_profile`) on CPU: both norms' compiled steps run,
-    and the report names them (a diagnostic for the GPU; its numbers here mean nothing)."""
-    proc = subprocess.run([sys.executable, "-m", "tools.block_profile", "--out", str(tmp_path), "--steps", "2",
-                           "--code", "--together"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = (tmp_path / "block_profile.txt").read_text()
-    assert "## compile, xkern norm" in text and "## compile, HF eager norm" in text and "inductor counters" in text
-    assert "## compile, in turn: xkern" in text and "## compile, xkern norm, after both compiled" in text
 
 
 @pytest.mark.parametrize("impl", ["xkern (jax)", "jax.jit (XLA)"])
@@ -287,14 +269,14 @@ def test_kernels_empty_swaps_every_launch_and_restores():
 @pytest.mark.slow  # the smoke run above covers the host tables; this, `--host` alone
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
 def test_host_tables_alone(tmp_path):
-    """`--host`: the host-cost and block tables only (a short GPU run after a call-path change)."""
+    """`--host`: the host-cost table only (a short GPU run after a call-path change)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.main", "--host", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     (path,) = tmp_path.glob("*-host-smoke.json")
     results = json.loads(path.read_text())
-    assert results["mode"] == "host-smoke" and not results["rows"] and not results["sharded"]
+    assert results["mode"] == "host-smoke" and not results["rows"]
     timed = {(r["op"], r["pass"], r["impl"]) for r in results["host"] if "wall_us" in r}
     assert ("rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)") in timed
     assert ("rms_norm", "fwd+bwd", "xkern (torch)") in timed
@@ -302,31 +284,6 @@ def test_host_tables_alone(tmp_path):
                             ("permute_rows(top_k)", "fwd", "torchtitan"),
                             ("unpermute_rows(top_k, probs)", "fwd", "torchtitan")):
         assert {(op, pass_, "xkern (torch)"), (op, pass_, peer)} <= timed, (op, pass_, peer)
-    assert sum("wall_us" in b for b in results["block"]) == 6
-
-
-def test_index_threshold_times_both_regimes():
-    """`tools.index_threshold`: each index op in both regimes (one launch and two) at each slot count, the
-    regimes' results equal bit for bit, the forced threshold restored afterwards."""
-    from benchmarks import timing
-    from tools import index_threshold
-    from xkern import permute as XP
-
-    saved = XP.ONE_LAUNCH_SLOTS
-    timing.set_smoke(True)
-    try:
-        rows = index_threshold.measure([4], 16, DEVICE, log=lambda *_: None)
-        assert index_threshold.launch_floor_us(DEVICE) > 0
-    finally:
-        timing.set_smoke(False)
-    assert XP.ONE_LAUNCH_SLOTS == saved
-    assert {(r["op"], r["regime"]) for r in rows} == {(op, regime) for op in (
-        "unpermute_rows", "inverse_permutation", "generate_permute_indices") for regime in index_threshold.REGIMES}
-    assert all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
-    assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("one launch, 16-row searches", 1),
-                                                           ("two launches", 2)}
-    assert XP.SEARCH_ROWS == 64
-    assert "| unpermute_rows |" in index_threshold.table(rows)
 
 
 def test_host_grad_rows_time_the_device_on_their_own_calls(monkeypatch):
@@ -408,77 +365,6 @@ def test_merge_replaces_rows_of_a_later_part(tmp_path):
     assert merged["parts"] == ["p1.json", "p2.json", "subset.json"]
 
 
-def test_plan_probe_times_candidates_and_restores_the_plan():
-    """`tools.plan_probe`: the plan and each candidate run through the torch front end (the candidate's
-    results close to the plan's), and the plan is back in place afterwards."""
-    from benchmarks import timing
-    from tools import plan_probe
-    from xkern import add_rms_norm as XA
-    from xkern.rms_norm import recipes as XR
-
-    timing.set_smoke(True)
-    try:
-        rows = plan_probe.time_case("bwd", 40, 64, "bfloat16", [("tile", None, plan_probe.bwd_tile(16, 1, 16)),
-                                                                ("row", None, plan_probe.bwd_row(16, 4, 1, 2, False))],
-                                    DEVICE, log=lambda *_: None)
-        rows += plan_probe.time_case("fwd", 3, 256, "bfloat16", [("chunked", plan_probe.fwd_chunked(2, 64, 1), None),
-                                                                 ("split", plan_probe.fwd_split(64, 4, 1), None)],
-                                     DEVICE, log=lambda *_: None)
-        rows += plan_probe.time_case("fwd", 9, 64, "bfloat16", [("tile", plan_probe.fwd_tile(4, 1), None)],
-                                     DEVICE, log=lambda *_: None)
-        # the column split as a candidate where the plan takes a tile (narrow: the interpreter's time grows
-        # with the width, 41 s at 16500)
-        rows += plan_probe.time_case("bwd", 3, 1100, "bfloat16", [("cols", None, plan_probe.bwd_cols(2, 512, 4, 8))],
-                                     DEVICE, log=lambda *_: None)
-        add = plan_probe.time_case("fwd+bwd", 6, 64, "bfloat16", [("tile", None, plan_probe.bwd_tile(4, 1, 2)),
-                                                                  ("row", None, plan_probe.bwd_row(32, 2, 1, 2))],
-                                   DEVICE, log=lambda *_: None, op="add_rms_norm")
-    finally:
-        timing.set_smoke(False)
-    assert [r["candidate"] for r in rows] == ["plan", "tile", "row", "plan (again)", "plan", "chunked", "split",
-                                              "plan (again)", "plan", "tile", "plan (again)", "plan", "cols",
-                                              "plan (again)"]
-    assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in rows), rows
-    table = plan_probe.summary(rows).splitlines()
-    assert len(table) == 6 and table[2].startswith("| bwd | 40×64 | bfloat16 |"), table
-    assert XR.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XR.plan_rms_norm_fwd is plan_probe.PLAN_FWD
-    # the fused add through the candidates: its y, residual_out's and x's gradients, w's: the plan's within bf16
-    assert [r["candidate"] for r in add] == ["plan", "tile", "row", "plan (again)"]
-    assert all("error" not in r and r["us"] > 0 and r["max_abs_diff"] < 0.05 for r in add), add
-    assert plan_probe.summary(add).splitlines()[2].startswith("| add_rms_norm fwd+bwd | 6×64 | bfloat16 |")
-    assert XA.plan_rms_norm_bwd is plan_probe.PLAN_BWD and XA.plan_rms_norm_fwd is plan_probe.PLAN_FWD
-    from xkern.rms_norm.kernels import FUSED, _rms_norm_bwd_row_kernel
-
-    def kernels():
-        recipe = XA.add_rms_norm_bwd_recipe(6, 64, 1e-6, "bfloat16", "bfloat16", "bfloat16", True)
-        return [step.launch.kernel for step in recipe.steps if step.launch]
-
-    plan_probe._use(bwd=plan_probe.bwd_row(32, 2, 1, 2))  # the fused add's recipe takes the candidate
-    try:
-        assert FUSED[_rms_norm_bwd_row_kernel] in kernels()
-    finally:
-        plan_probe._use()
-    assert FUSED[_rms_norm_bwd_row_kernel] not in kernels()
-
-
-def test_plan_probe_sets_build_their_launches():
-    """Every candidate of every `plan_probe` set builds a launch at its case's shape (a set that fails only on
-    the GPU machine costs a GPU run); the row-backward rules cover every width up to 6 x 4096 in blocks
-    that leave at most 1/8 masked (a power of two otherwise) and at most 32 warps."""
-    from tools import plan_probe
-
-    for name, cases in plan_probe.candidate_sets().items():
-        for _, m, n, _, candidates, *_ in cases:
-            for label, fwd, bwd in candidates:
-                launch = fwd(m, n, 1e-6) if fwd else bwd(m, n, 1e-6).bwd
-                assert launch.grid[0] >= 1 and 1 <= launch.num_warps <= 32, (name, n, label)
-    for n in range(512, 24577, 7):
-        for rule in (plan_probe.bwd_row_rule(16, 16), plan_probe.bwd_row_rule(8, 32)):
-            c = rule(1000, n, 1e-6).bwd.constexprs
-            padded = c["BLOCK_N"] * c["SPLIT"]
-            assert padded >= n and ((padded - n) * 8 <= padded or c["SPLIT"] == 1), (n, c)
-
-
 def test_add_rms_norm_table_runs_every_path():
     """The fused add's table (`benchmarks.add_rms_norm`) at its smoke sizes: xkern checked against the oracle
     and JAX bit for bit torch, every implementation and pass run through once."""
@@ -497,19 +383,6 @@ def test_add_rms_norm_table_runs_every_path():
     ran = {r["impl"] for r in rows if r.get("us")}
     assert {"HF eager", "torch.compile", "torch.compile (xkern norm, fusion pass)", "jax.jit (XLA)"} <= ran
     assert "add_rms_norm" in markdown(rows)
-
-
-def test_jax_block_checks_and_times_both_norms():
-    """`benchmarks.jax_block` at its CPU size: xkern's block checked against the jnp block, both steps timed."""
-    from benchmarks import jax_block, timing
-
-    timing.set_smoke(True)
-    try:
-        rows = jax_block.jax_block_table(DEVICE, lambda line: None)
-    finally:
-        timing.set_smoke(False)
-    assert [r["norm"] for r in rows] == list(jax_block.NORMS) * len(jax_block.SIZES[DEVICE])
-    assert all(r["check"].startswith("outputs agree") and r["device_us"] > 0 for r in rows), rows
 
 
 def test_profile_rounds_sum_the_activities_after_each_flush():
@@ -569,7 +442,7 @@ def test_jax_torch_table_compares_profile_times():
     """The report's JAX / torch table: xkern's two front ends by `profile_us`, torch µs / JAX µs, and whether
     they launched the same kernels; `ratios` takes the same ratio."""
     from benchmarks import report
-    from benchmarks.ratios import ratios
+    from benchmarks.report import ratios
 
     def row(impl, us, names):
         return {"op": "rms_norm", "pass": "fwd", "dtype": "bfloat16", "shape": [8, 128], "impl": impl, "frac": 0.5,
@@ -580,21 +453,6 @@ def test_jax_torch_table_compares_profile_times():
     assert (jt["torch_us"], jt["jax_us"], jt["ratio"], jt["same_kernels"]) == (9.0, 10.0, 0.9, True)
     assert ratios(rows)[0]["jax_ratio"] == 0.9
     assert "torch / JAX" in "\n".join(report.jax_torch_table(rows))
-
-
-def test_jax_torch_profile_runs_a_case():
-    """`tools.jax_torch_profile` on one smoke pass: both front ends and XLA run by every method it prints."""
-    from benchmarks import timing
-    from tools import jax_torch_profile as JT
-
-    timing.set_smoke(True)
-    try:
-        rows = JT.profile_case("rms_norm", (9, 128), ("fwd",), DEVICE)
-    finally:
-        timing.set_smoke(False)
-    assert [r["impl"] for r in rows] == ["xkern (torch)", "xkern (jax)", "jax.jit (XLA)"]
-    assert all("status" not in r and r["device_us"] > 0 and r["host_launch_us"] > 0 for r in rows), rows
-    assert "rms_norm 9x128 fwd: torch" in JT.text(rows)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: `python -m benchmarks.moe_layer` itself runs there")
@@ -752,7 +610,7 @@ def test_jax_moe_layer_runs_both_paths(tmp_path):
 def test_a_liger_row_without_its_autotune_says_so(monkeypatch):
     """A Liger row measured with LIGER_FUSED_MOE_AUTOTUNE=0 (one config per kernel) is named so in the MoE
     table and in README's MoE line; a row with its autotune is not."""
-    from benchmarks import moe_layer, readme
+    from benchmarks import moe_layer, report
 
     monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")
     assert not moe_layer.liger_autotune()
@@ -761,7 +619,7 @@ def test_a_liger_row_without_its_autotune_says_so(monkeypatch):
     tuned = {**row, "liger_autotune": True}
     table = moe_layer.markdown([row, tuned], "G").splitlines()
     assert table[-2].endswith("| ok (Liger's autotune off: one config per kernel) |") and table[-1].endswith("| ok |")
-    assert readme._moe_path(row) == "Liger fused MoE (autotune off)" and readme._moe_path(tuned) == "Liger fused MoE"
+    assert report._moe_path(row) == "Liger fused MoE (autotune off)" and report._moe_path(tuned) == "Liger fused MoE"
 
 
 def test_parallel_autotune_compile_warms_each_tuning_key_once():
@@ -978,29 +836,3 @@ def test_jax_moe_xkern_groups_cover_every_row():
         start = padded[:ex].sum()
         assert filled[start:start + counts[ex]].all() and not filled[start + counts[ex]:start + padded[ex]].any()
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m tools.moe_probe` itself there")
-def test_moe_probe_checks_each_candidate_against_the_plan(monkeypatch, capsys):
-    """`tools.moe_probe` on CPU: each MoE row kernel runs with the plan's tile and another, both write every
-    element (poisoned first) and agree bit for bit; a candidate that leaves rows unwritten is reported and
-    fails the run."""
-    from tools import moe_probe
-
-    assert moe_probe.main(["--smoke"]) == 0
-    text = capsys.readouterr().out
-    for kernel in ("permute_rows(top_k)", "permute_rows(top_k) token-major", "copy-sum", "weighted combine",
-                   "combine backward"):
-        assert f"smoke {kernel} BLOCK_M" in text and "(plan)" in text
-    assert "combine BLOCK_M 4 BLOCK_H 256 warps 4 TOP_K 0: ran" in text  # the loop, the plan unrolled: same bits
-    assert "DIFFERS" not in text
-
-    real = moe_probe.candidates
-
-    def one_program(step, n_items):  # the plan, then the plan on a grid of one program: rows left unwritten
-        plan, scalars = next(real(step, n_items))
-        yield plan, scalars
-        yield dataclasses.replace(plan, grid=(1,), constexprs={**plan.constexprs, "BLOCK_M": 1}), scalars
-
-    monkeypatch.setattr(moe_probe, "candidates", one_program)
-    assert moe_probe.main(["--smoke"]) == 1
-    assert "DIFFERS" in capsys.readouterr().out

@@ -449,9 +449,8 @@ def test_four_byte_elements_take_the_chunked_forward_above_32768():
                                                   (8192, 8192, 1)])
 def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split):
     """The forward's row kernel over SPLIT blocks gives the same bits reading x a second time (RELOAD) as
-    holding the row: the same sums in the same order (the split-reload plans of docs/benchmarks.md, entry 18,
-    checked here before any GPU time decides them; at 4096 and 8192 the whole row in one block, as
-    `tools.plan_probe --set fwd-rows` times it)."""
+    holding the row: the same sums in the same order, so a plan may choose either form on speed alone (at 4096
+    and 8192 the whole row in one block)."""
     import dataclasses
 
     rows = 2
@@ -474,8 +473,8 @@ def test_row_kernel_reading_x_twice_is_bitwise_the_held_row(width, block, split)
     (5120, 1024, 5, 8, "olmo2"), (16384, 16384, 1, 16, "llama")])
 def test_row_backward_in_split_blocks_matches_the_oracle(width, block, split, num_warps, variant):
     """The backward's row kernel (rows read twice) over SPLIT blocks, w held in registers or re-read (HOLD_W),
-    two persistent programs over five rows: the candidates `tools.plan_probe --set bwd-row` times, checked
-    against the oracle on NaN-poisoned outputs before GPU time decides them; re-reading w gives the same bits."""
+    two persistent programs over five rows: the forms a plan may choose, checked against the oracle on
+    NaN-poisoned outputs; re-reading w gives the same bits."""
     from xkern.launch import Launch
     from xkern.rms_norm import plan_dw_reduce
     from xkern.rms_norm.kernels import _rms_norm_bwd_row_kernel
