@@ -7,9 +7,10 @@ in rounds (median), so the host's drift falls on all of them alike. `wall_us` co
 call captured in a CUDA graph and replayed (`timing.torch_device_us`). Forward calls run without autograd
 (inputs that do not require grad); forward + backward is `torch.autograd.grad(f(x, w), (x, w), dy)`,
 backward `torch.autograd.grad` through one kept forward. The fused add (`add_rms_norm`) and the MoE forms
-(`permute_rows(top_k)`, the weighted combine) beside their peers. The floor: an empty `torch.library` custom op, an
-empty Triton kernel launched by Triton and by xkern's launcher, an autograd.Function of (x, w) that only
-allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row).
+(`permute_rows(top_k)`, the weighted combine) beside their peers. The floor of this host: an empty
+`torch.library` custom op, an empty Triton kernel launch, an autograd.Function of (x, w) that only
+allocates, and `torch.autograd.grad` through a native op (F.rms_norm's row). Public calls only, so the table
+measures the same thing before and after a change to a front end's internals.
 """
 
 from __future__ import annotations
@@ -31,21 +32,6 @@ LOOP = 2000
 @triton.jit
 def _empty_kernel(X):
     pass
-
-
-@functools.cache
-def _empty_launcher():
-    """The empty kernel behind xkern's launcher (one pointer argument): the host floors' launch."""
-    from torch_api._launch import _Launcher
-    from xkern.launch import Launch
-
-    return _Launcher(Launch(_empty_kernel, (1,), 1, {}), 1, 0, {})
-
-
-def xkern_launch_floor(x):
-    """A call launching the empty kernel on `x` through xkern's launcher: the host's launch floor."""
-    launcher, index = _empty_launcher(), x.device.index
-    return lambda: launcher([x], index)
 
 
 @functools.cache
@@ -114,13 +100,6 @@ def _rms_entries(device: str):
             lambda fn=fn: torch.autograd.grad(fn(xg, wg), (xg, wg), dy), torch_make_calls(fn, "fwd+bwd", inputs))
         yield "rms_norm", "bwd", name, shape, _on_device(
             functools.partial(_backward_alone, fn, xg, wg, dy, {}), torch_make_calls(fn, "bwd", inputs))
-    from torch_api.rms_norm import _Forward
-
-    yield ("rms_norm", "fwd", *_recipe_floor(_Forward(x, w, RN.EPS, "llama").run, (x, w)))
-    xkern_step = torch_make_calls(RN.xkern_torch, "fwd+bwd", inputs)
-    yield "rms_norm", "fwd+bwd", "floor: its launches empty (the whole call otherwise)", "", _on_device(
-        _kernels_empty(lambda: torch.autograd.grad(RN.xkern_torch(xg, wg), (xg, wg), dy)),
-        lambda: [_kernels_empty(call) for call in xkern_step()])
 
 
 def _backward_alone(fn, x, w, dy, kept: dict):
@@ -136,7 +115,6 @@ def _gather_entries(device: str):
     import torch
 
     import torch_api as tp
-    from torch_api._launch import Executor
 
     t, h = HOST_TOKENS[device]
     counts, n, n_pad = P.routing(t, h)
@@ -167,16 +145,6 @@ def _gather_entries(device: str):
     yield "inverse_permutation", "fwd", "xkern (torch)", shape, functools.partial(tp.inverse_permutation, idx, n)
     yield "inverse_permutation", "fwd", "torch (full + index_put)", shape, index_put_inverse
     yield "generate_permute_indices", "fwd", "xkern (torch)", shape, functools.partial(P.layout, counts_t, n_pad, tp)
-    # Each op's own floor: its eager executor's allocations and launch count, every kernel empty.
-    from torch_api import permute as TP
-
-    for op, ex, inputs in (
-            ("permute_rows", Executor(TP._permute_recipe(x, idx), ("x", "idx")), (x, idx)),
-            ("unpermute_rows", Executor(TP._unpermute_recipe(y, idx, n), ("y", "idx")), (y, idx)),
-            ("inverse_permutation", TP._inverse_executor(idx, n), (idx,)),
-            ("generate_permute_indices", TP._generate_executor(counts_t, P.EXPERTS_PER_RANK, P.NUM_RANKS, n_pad,
-                                                               P.ALIGNMENT), (counts_t,))):
-        yield (op, "fwd", *_recipe_floor(ex, inputs))
 
 
 def _fused_add_entries(device: str):
@@ -238,48 +206,12 @@ def _moe_entries(device: str):
         ML.torchtitan_combine, y, flat, routing)
 
 
-def _recipe_floor(executor, inputs) -> tuple[str, str, object]:
-    """(impl, shape, call): `executor` with every kernel replaced by an empty one launched through xkern's
-    launcher: the call's allocations and launches, none of its Python around them (checks, cache lookup,
-    autograd) and no work on the device."""
-    from torch_api._launch import Executor
-
-    empty = _empty_launcher()
-    floor = Executor(executor.recipe, executor.input_names, executor.shapes,
-                     wrap=lambda _: lambda arrays, device: empty(arrays[:1], device))
-    return (f"floor: its {floor.launches} launch(es) empty, {floor.allocations} allocation(s)", "",
-            functools.partial(floor, *inputs))
-
-
-def _kernels_empty(call):
-    """`call` with every eager launch of xkern replaced by one empty kernel launched the same way (its Python,
-    checks, autograd and allocations kept): with its real kernels beside it, what the kernels cost the host."""
-    from torch_api._launch import _Launcher
-
-    real = _Launcher.__call__
-    empty = _empty_launcher()
-
-    def launch_empty(_, arrays, device):
-        real(empty, arrays[:1], device)
-
-    def run():
-        _Launcher.__call__ = launch_empty
-        try:
-            return call()
-        finally:
-            _Launcher.__call__ = real
-
-    return run
-
-
 def _floor_entries(device: str):
     import torch
 
     x = torch.zeros(16, device=device)
     yield "floor", "fwd", "empty torch.library custom op", "x 16 fp32", functools.partial(_empty_op(), x)
     yield "floor", "fwd", "empty Triton kernel launch", "x 16 fp32", functools.partial(_empty_kernel[(1,)], x)
-    # The launch path xkern's eager calls take (a prebuilt argument list, Triton's C launcher).
-    yield "floor", "fwd", "empty Triton kernel, xkern's launcher", "x 16 fp32", xkern_launch_floor(x)
     # What any Python-defined differentiable op of (x, w) pays in a torch.autograd.grad step before its own
     # work: the autograd.Function machinery and one allocation per result.
     xg, wg, dy = x.clone().requires_grad_(), x.clone().requires_grad_(), torch.ones_like(x)

@@ -97,179 +97,8 @@ def swiglu_experts(xs, w13, w2, group_sizes, gemm=None):
 # ---------------------------------------------------------------------------------------------------
 # The experts' grouped GEMM. XLA's GPU lowering of `ragged_dot` expands at least its weight-gradient form
 # (the group dimension contracted) to a dense GEMM masked per group: memory and flops times the expert count,
-# 197 GiB for the Qwen3-MoE step on an H100 (jax 0.11.2). Both paths share whichever grouped GEMM runs, so the
-# ratio still compares their dispatch and combine; the JSON names it.
-
-TILE_ROWS = 1024  # rows per GEMM of the tiled grouped GEMM: about the mean group of both sizes (T * k / E)
-
-
-def ragged_dot_pallas_available() -> bool:
-    """Whether this jax has its Pallas Triton lowering of `ragged_dot` for GPUs (some wheels expose the config
-    flag without the module)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("jax._src.lax.pallas_lowerings.gpu.ragged_dot") is not None
-    except ImportError:
-        return False
-
-
-def _tiles(group_sizes, rows: int, tile: int):
-    """The row tiles of the groups, each inside one group, padded to the static bound rows / tile + groups + 1
-    (a loop of known length: no per-iteration read of its bound by the host): (group of each tile, its first
-    row, the end row of its group); a padding tile starts and ends at `rows` (it keeps nothing)."""
-    import jax.numpy as jnp
-
-    ends = jnp.cumsum(group_sizes)
-    per = (group_sizes + tile - 1) // tile
-    last = jnp.cumsum(per)
-    t = jnp.arange(rows // tile + group_sizes.shape[0] + 1, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(last, t, side="right"), group_sizes.shape[0] - 1).astype(jnp.int32)
-    real = t < last[-1]
-    first = jnp.where(real, ends[g] - group_sizes[g] + (t - (last[g] - per[g])) * tile, rows)
-    return g, first, jnp.where(real, ends[g], rows)
-
-
-def _tiled_forward(x, w, group_sizes, transposed: bool = False):
-    """out[r] = x[r] @ w[group of r] (`transposed`: @ w[group of r].T, no transposed copy of the weights) for rows
-    inside the groups, 0 past them: one GEMM per row tile, in a loop."""
-    import jax
-    import jax.numpy as jnp
-
-    rows, tile = x.shape[0], TILE_ROWS
-    g, first, end = _tiles(group_sizes, rows, tile)
-    xp = jnp.pad(x, ((0, tile), (0, 0)))  # a tile's slice never clamps back into the rows before it
-    lane = jnp.arange(tile)[:, None]
-
-    def body(i, out):
-        part = jax.lax.dot_general(jax.lax.dynamic_slice_in_dim(xp, first[i], tile), w[g[i]],
-                                   (((1,), (1 if transposed else 0,)), ((), ())),
-                                   preferred_element_type=jnp.float32).astype(out.dtype)
-        keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(first[i] + lane < end[i], part, keep),
-                                                   first[i], 0)
-
-    out = jnp.zeros((rows + tile, w.shape[1 if transposed else 2]), x.dtype)
-    return jax.lax.fori_loop(0, g.shape[0], body, out)[:rows]
-
-
-def _tiled_weight_grad(x, dy, group_sizes):
-    """dw[e] = x[rows of e].T @ dy[rows of e]: FP32 sums over row tiles, rounded once to x's dtype. A group's tiles
-    come one after another, so one FP32 accumulator serves them all and each tile writes the group's rounded sum
-    so far (the last write is the whole sum): no FP32 copy of every expert's gradient (30 GB at DeepSeek-V3's)."""
-    import jax
-    import jax.numpy as jnp
-
-    tile = TILE_ROWS
-    g, first, end = _tiles(group_sizes, x.shape[0], tile)
-    xp, dyp = (jnp.pad(a, ((0, tile), (0, 0))) for a in (x, dy))
-    lane = jnp.arange(tile)[:, None]
-
-    def body(i, state):
-        dw, acc = state
-        xs = jax.lax.dynamic_slice_in_dim(xp, first[i], tile)
-        xs = jnp.where(first[i] + lane < end[i], xs, jnp.zeros_like(xs))
-        part = jnp.dot(xs.T, jax.lax.dynamic_slice_in_dim(dyp, first[i], tile), preferred_element_type=jnp.float32)
-        acc = jnp.where((i > 0) & (g[i] == g[jnp.maximum(i - 1, 0)]), acc, 0.0) + part
-        return dw.at[g[i]].set(acc.astype(dw.dtype)), acc
-
-    dw = jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), x.dtype)
-    acc = jnp.zeros((x.shape[1], dy.shape[1]), jnp.float32)
-    return jax.lax.fori_loop(0, g.shape[0], body, (dw, acc))[0]
-
-
-def grouped_gemm(rows_gemm, weight_grad):
-    """`jax.lax.ragged_dot(x, w, group_sizes)` and its gradients from two kernels: `rows_gemm(x, w, group_sizes,
-    transposed)` (x[r] @ w[group of r], or @ its transpose, for dx) and `weight_grad(x, dy, group_sizes)` (each
-    group's x.T @ dy: the form whose contracted dimension is the ragged one)."""
-    import jax
-    import numpy as np
-
-    @jax.custom_vjp
-    def gemm(x, w, group_sizes):
-        return rows_gemm(x, w, group_sizes, False)
-
-    def fwd(x, w, group_sizes):
-        return rows_gemm(x, w, group_sizes, False), (x, w, group_sizes)
-
-    def bwd(res, dy):
-        x, w, group_sizes = res
-        return (rows_gemm(dy, w, group_sizes, True), weight_grad(x, dy, group_sizes),
-                np.zeros(group_sizes.shape, jax.dtypes.float0))
-
-    gemm.defvjp(fwd, bwd)
-    return gemm
-
-
-@functools.cache
-def tiled_gemm(rows_by_ragged_dot: bool = False):
-    """The grouped GEMM as loops of dense GEMMs over row tiles of `TILE_ROWS` (memory: one tile's product beyond
-    the operands). `rows_by_ragged_dot`: the forward and dx by `ragged_dot` itself (its group dimension not
-    contracted), only dw by the loop."""
-    import jax
-
-    def rows_gemm(x, w, group_sizes, transposed):
-        if rows_by_ragged_dot:
-            return jax.lax.ragged_dot(x, w.swapaxes(1, 2) if transposed else w, group_sizes)
-        return _tiled_forward(x, w, group_sizes, transposed)
-
-    return grouped_gemm(rows_gemm, _tiled_weight_grad)
-
-
-# jax's Mosaic GPU kernels for Hopper (jax.experimental.pallas.ops.gpu): `ragged_dot` (TMA loads, wgmma, a
-# persistent grid over the SMs) and `transposed_ragged_dot` (the ragged dimension contracted: the weight
-# gradient). Blocks per form (the forward, dx, and the weight gradient dw): 128 x 128 output tiles, 64-deep K
-# steps, 4 in flight, unless `--mgpu-blocks` says otherwise (`tools.mgpu_probe` times candidates).
-MGPU_FORMS = ("forward", "dx", "dw")
-MGPU_BLOCK = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-MGPU_BLOCKS = {form: dict(MGPU_BLOCK) for form in MGPU_FORMS}
-
-
-def mgpu_blocks(text: str) -> dict:
-    """`--mgpu-blocks`: "block_n=256,dw.block_k=128" -> {"forward": {"block_n": 256}, "dx": {"block_n": 256}, "dw":
-    {"block_n": 256, "block_k": 128}}: a key of MGPU_BLOCK for every form, or FORM.KEY for one of MGPU_FORMS."""
-    blocks = {form: {} for form in MGPU_FORMS}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        form, _, key = name.rpartition(".")
-        if key not in MGPU_BLOCK or form not in ("", *MGPU_FORMS) or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"expected [FORM.]KEY=N with N >= 1, FORM one of {', '.join(MGPU_FORMS)} "
-                                              f"and KEY one of {', '.join(MGPU_BLOCK)}, got {item!r}")
-        for f in (form,) if form else MGPU_FORMS:
-            blocks[f][key] = int(value)
-    return blocks
-
-
-def mgpu_kernels():
-    """(ragged_dot, transposed_ragged_dot) of jax's Mosaic GPU ops, or None where this jax lacks them."""
-    try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-    except ImportError:
-        return None
-    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
-
-
-def mgpu_gemm():
-    """The grouped GEMM by jax's Mosaic GPU kernels. They leave the rows past the last group unwritten, so the
-    groups must cover every row (both paths' do: `xkern_moe` gives its buffer's tail to the last expert). A mask
-    to zero such rows, as `ragged_dot` gives them, took 0.76 ms of the 15.2 ms Qwen3-MoE step (H100,
-    2026-12-06): a pass over each GEMM's output that XLA cannot fuse into the kernel."""
-    import inspect
-
-    rows_kernel, weight_kernel = mgpu_kernels()
-    takes_transpose = "transpose_rhs" in inspect.signature(rows_kernel).parameters
-
-    def rows_gemm(x, w, group_sizes, transposed):
-        if transposed and not takes_transpose:  # older kernels: a transposed copy of the weights
-            w, transposed = w.swapaxes(1, 2), False
-        return rows_kernel(x, w, group_sizes=group_sizes, **MGPU_BLOCKS["dx" if transposed else "forward"],
-                           **({"transpose_rhs": True} if transposed else {}))
-
-    def weight_grad(x, dy, group_sizes):  # x: [rows, K] is the kernel's (K-contracted, M) operand as it lies
-        return weight_kernel(x, dy, group_sizes=group_sizes, **MGPU_BLOCKS["dw"])
-
-    return grouped_gemm(rows_gemm, weight_grad)
-
+# 197 GiB for the Qwen3-MoE step on an H100 (jax 0.11.2). So on a GPU both paths run xkern's grouped GEMM; both
+# share it, so the ratio still compares their dispatch and combine; the JSON names it.
 
 def use_expert_gemm(name: str):
     """Make `name` the experts' grouped GEMM (`EXPERT_GEMMS`; "auto": on a GPU xkern's (`jax_api.grouped_mm`), on a
@@ -279,12 +108,6 @@ def use_expert_gemm(name: str):
     global EXPERT_GEMM
     if name == "auto":
         name = "ragged_dot" if jax.default_backend() == "cpu" else "xkern"
-    if name == "mgpu" and mgpu_kernels() is None:
-        raise ValueError("--experts-gemm mgpu: this jax has no Mosaic GPU ragged_dot kernels")
-    if name == "pallas":  # read when each ragged_dot lowers, the backward's too: set for the whole run
-        if not ragged_dot_pallas_available():
-            raise ValueError("--experts-gemm pallas: this jax has no Pallas lowering of ragged_dot")
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     EXPERT_GEMM = name
     return name
 
@@ -299,14 +122,9 @@ def xkern_gemm(x, w, group_sizes):
     return jax_api.grouped_mm(x, w, jnp.cumsum(group_sizes).astype(jnp.int32))
 
 
-EXPERT_GEMMS = ("auto", "ragged_dot", "mgpu", "xkern", "pallas", "tiled", "tiled-dw")
+EXPERT_GEMMS = ("auto", "ragged_dot", "xkern")
 EXPERT_GEMM_NAMES = {"ragged_dot": "`jax.lax.ragged_dot` (XLA's lowering)",
-                     "xkern": "xkern's grouped GEMM (`jax_api.grouped_mm`, Triton)",
-                     "mgpu": "jax's Mosaic GPU ragged_dot and transposed_ragged_dot kernels (Hopper)",
-                     "pallas": "`jax.lax.ragged_dot` through jax's Pallas Triton lowering",
-                     "tiled": f"a loop of dense GEMMs over {TILE_ROWS}-row tiles",
-                     "tiled-dw": "`jax.lax.ragged_dot`, its weight gradient a loop of dense GEMMs over "
-                                 f"{TILE_ROWS}-row tiles"}
+                     "xkern": "xkern's grouped GEMM (`jax_api.grouped_mm`, Triton)"}
 EXPERT_GEMM = "ragged_dot"
 
 
@@ -378,9 +196,7 @@ class Experts:
             import jax
 
             return jax.lax.optimization_barrier(rows)
-        gemm = (tiled_gemm(EXPERT_GEMM == "tiled-dw") if EXPERT_GEMM.startswith("tiled") else
-                mgpu_gemm() if EXPERT_GEMM == "mgpu" else xkern_gemm if EXPERT_GEMM == "xkern" else None)
-        return swiglu_experts(rows, self.w13, self.w2, group_sizes, gemm)
+        return swiglu_experts(rows, self.w13, self.w2, group_sizes, xkern_gemm if EXPERT_GEMM == "xkern" else None)
 
 
 def layer_step(path: str, top_k: int, num_experts: int):
@@ -726,12 +542,7 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS, help="added to XLA_FLAGS before jax loads "
                         f"(default: {DEFAULT_XLA_FLAGS!r}; '' for none)")
     parser.add_argument("--experts-gemm", choices=EXPERT_GEMMS, default="auto", help="the experts' grouped GEMM, "
-                        "shared by both paths (default auto: xkern's on a GPU, ragged_dot on a CPU; mgpu: jax's "
-                        "Mosaic GPU kernels for Hopper)")
-    parser.add_argument("--mgpu-blocks", type=mgpu_blocks, default={}, metavar="[FORM.]KEY=N,...",
-                        help="with --experts-gemm mgpu: its tiles in place of MGPU_BLOCK's (block_m, block_n, "
-                        "block_k, max_concurrent_steps, grid_block_n), for every form or one (forward, dx, dw), "
-                        "e.g. block_n=256,dw.grid_block_n=2; tools.mgpu_probe prints the fastest it timed")
+                        "shared by both paths (default auto: xkern's on a GPU, ragged_dot on a CPU)")
     parser.add_argument("--add-ratios", metavar="JAX_JSON", help="no run: add the ratios to the torch rows "
                         "(--torch-json) to this benchmark's JSON from another call, rewrite it and its .md")
     args = parser.parse_args(argv)
@@ -752,8 +563,6 @@ def main(argv=None) -> int:
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     experts_gemm = use_expert_gemm(args.experts_gemm)
-    for form, blocks in args.mgpu_blocks.items():
-        MGPU_BLOCKS[form].update(blocks)
     device = jax.devices()[0].device_kind if GPU else "cpu"
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out_dir = args.out or (os.path.join(RESULTS, gpu_kind(device)) if GPU and not smoke else None)
@@ -767,8 +576,7 @@ def main(argv=None) -> int:
                 "gpu": device, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
                 "ref_tol": REF_TOL, "xla_flags": xla_flags, "experts_gemm": experts_gemm,
                 "experts_gemm_name": EXPERT_GEMM_NAMES[experts_gemm], "jax": jax.__version__,
-                **({"mgpu_blocks": {f: dict(b) for f, b in MGPU_BLOCKS.items()}} if experts_gemm == "mgpu" else {}),
-                "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm), final)
+                "complete": final, "rows": rows}, markdown(rows, device, xla_flags, experts_gemm))
 
     rows = []
     for label, size in chosen_sizes(args, smoke).items():

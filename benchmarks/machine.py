@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -66,3 +67,28 @@ def commit() -> str | None:
         return head.stdout.strip() + ("+changes" if dirty else "") if head.returncode == 0 else None
     except OSError:
         return None
+
+
+DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
+         "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
+
+
+def versions() -> dict:
+    """The versions a run measured (None where not installed), CUDA's and the driver's where there is a GPU."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in DISTS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        import torch
+
+        out["cuda (torch)"] = torch.version.cuda
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return out

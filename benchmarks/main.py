@@ -1,8 +1,7 @@
 """The main job: xkern checked against the FP64 oracle and timed against its peers on this machine.
 
-    python -m benchmarks.main [--quick | --sweep [--part K/N] [--widths W,...] | --host | --smoke] [--only OP]
+    python -m benchmarks.main [--sweep [--part K/N] [--widths W,...] | --host | --smoke] [--only OP]
                               [--out DIR] [--budget-s S]
-    python -m benchmarks.main --moe [--smoke] [--out DIR]     (the MoE layer step: benchmarks/moe_layer.py)
 
 `--only add_rms_norm`: the fused residual add's table (benchmarks/add_rms_norm.py), into
 `<gpu>-add_rms_norm.json` and `.md` (a run of its own: the main run does not make it).
@@ -33,18 +32,14 @@ import collections
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
 # First: on a CPU machine it selects the interpreter and JAX's CPU platform before torch, triton or jax loads.
-from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha
+from benchmarks.machine import GPU, RESULTS, ROOT, commit, gpu_kind, kernels_sha, versions
 
-DISTS = ("torch", "triton", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-triton", "liger-kernel",
-         "quack-kernels", "nvidia-cutlass-dsl", "numpy", "ml_dtypes")
 # Seconds on the H200 (measured): an RMSNorm case (every implementation, three passes), a gather case, and
 # the host table (estimate).
 CASE_S = {"rms_norm": 15.0, "permute_rows": 4.0, "unpermute_rows": 4.0}
@@ -53,26 +48,6 @@ HOST_S = 90.0
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for dist in DISTS:
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    try:
-        import torch
-
-        out["cuda (torch)"] = torch.version.cuda
-        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        out["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001 - informational only
-        pass
-    return out
 
 
 def configure_dynamo() -> None:
@@ -134,7 +109,7 @@ def plan(args) -> tuple[str, list]:
     if args.sweep:
         mode = "sweep" if GPU and not args.smoke else "sweep-smoke"
     else:
-        mode = "smoke" if args.smoke else ("quick" if args.quick else "main") if GPU else "validate"
+        mode = "smoke" if args.smoke else "main" if GPU else "validate"
     work = [(op, case, mode != "validate") for op in ops(args.only) for case in op.cases(mode)]
     if mode == "validate":
         work += [(op, case, True) for op in ops(args.only) for case in op.cases("smoke")]
@@ -155,8 +130,6 @@ def output_stem(gpu: str, args) -> str:
         stem += "-sweep" + (f"-part{args.part.replace('/', 'of')}" if args.part else "")
         if args.widths:  # named by its widths: a later re-run of other widths does not overwrite it
             stem += "-w" + "-".join(map(str, sorted({int(w) for w in args.widths.split(",")})))
-    elif args.quick:
-        stem += "-quick"
     elif args.host:
         stem += "-host"
     elif args.part:  # a main job split over processes or calls; merge with benchmarks.report --merge
@@ -349,7 +322,6 @@ def failures(results: dict, strict: bool) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--quick", action="store_true", help="a few shapes only")
     group.add_argument("--sweep", action="store_true", help="the RMSNorm width sweep (~12 min on an H200)")
     group.add_argument("--host", action="store_true", help="the host-cost table only (~1 min on an H200; to "
                        "<gpu>-host.json)")
@@ -361,16 +333,11 @@ def main(argv=None) -> int:
                         "processes or runs; with --no-host after the first)")
     parser.add_argument("--widths", help="with --sweep: these widths only (comma-separated)")
     parser.add_argument("--only", choices=("rms_norm", "permute", "add_rms_norm"), help="one op only")
-    parser.add_argument("--moe", action="store_true", help="the MoE layer step instead (benchmarks/moe_layer.py)")
     parser.add_argument("--out", help="where results go (default: benchmarks/results/<gpu kind>/ on a GPU, nothing on "
                         "CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new case after this many seconds (GPU default 420; sweep 3000)")
     args = parser.parse_args(argv)
-    if args.moe:
-        from benchmarks import moe_layer
-
-        return moe_layer.main(["--smoke"] * args.smoke + ["--out", args.out] * bool(args.out))
     if args.budget_s is None:  # none without a GPU: the validation there must run whole
         args.budget_s = (3000.0 if args.sweep else 420.0) if GPU else float("inf")
     return run(args)

@@ -25,8 +25,6 @@ Dispatch + combine paths (the rest of the step is the same code):
   its backward recomputes through the down projection and adds dprobs with atomics. The experts are
   inside it, so it has no dispatch + combine row. On CPU its kernels do not run under Triton's interpreter
   (`liger_status`): the row says skipped.
-- TransformerEngine's `moe_permute_with_probs` / `moe_unpermute(merging_probs=)` where importable (it is not
-  installed on the GPU machines measured so far: the row says so).
 
 Reported per size and path: the whole step's device time, dispatch + combine alone (forward + backward with
 identity experts), peak memory of one eager step above what was allocated before it, the output's and every
@@ -53,7 +51,7 @@ SIZES = {  # hidden, experts, top_k, expert width (intermediate), tokens (scaled
 }
 SMOKE_SIZE = dict(hidden=32, experts=4, top_k=2, inter=16, tokens=12)
 ALIGN = 16  # rows per expert block: torch._grouped_mm's bf16 alignment (torchtitan pads the same way)
-PATHS = ("xkern", "liger", "torchtitan", "plain", "transformer_engine")  # Liger's fused MoE: the strongest peer
+PATHS = ("xkern", "liger", "torchtitan", "plain")  # Liger's fused MoE: the strongest peer
 PARTS = ("dispatch+combine", "layer")  # identity experts (the row ops alone), then the whole layer
 # Relative L2 distance to the FP32 reference (`reference_errors`) within which a result passes. bf16 rounds
 # each stored intermediate (x @ W13, the SwiGLU product, the expert outputs, the output) to 2^-9 relative;
@@ -256,14 +254,6 @@ def liger_path(x, probs, routing, run_experts):
     return LigerFusedMoEFunction.apply(x, run_experts.w13, run_experts.w2, routing[-1].to(torch.int32), probs)
 
 
-def transformer_engine_path(x, probs, routing, run_experts):
-    """TE's fused permute with probs and weighted unpermute (used only where importable)."""
-    from transformer_engine.pytorch import moe_permute_with_probs, moe_unpermute
-
-    raise NotImplementedError("TransformerEngine is importable here: wire moe_permute_with_probs / moe_unpermute "
-                              f"({moe_permute_with_probs.__name__}, {moe_unpermute.__name__}) into this path")
-
-
 def _import_status(module: str) -> str | None:
     """None where `module` imports, else why not (the benchmark's row says so)."""
     import importlib
@@ -273,10 +263,6 @@ def _import_status(module: str) -> str | None:
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken install raising anything
         return f"not importable: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
     return None
-
-
-def transformer_engine_status() -> str | None:
-    return _import_status("transformer_engine.pytorch")
 
 
 def liger_autotune() -> bool:
@@ -328,8 +314,6 @@ def liger_status(device: str) -> str | None:
 
 def skip_reason(name: str, device: str, whole: bool) -> str | None:
     """Why a path has no row here (None: it runs)."""
-    if name == "transformer_engine" and (why := transformer_engine_status()) is not None:
-        return f"skipped: TransformerEngine {why}"
     if name == "liger":
         if not whole:
             return "n/a: the gather and the weighted sum are fused into Liger's expert kernels"
@@ -338,8 +322,7 @@ def skip_reason(name: str, device: str, whole: bool) -> str | None:
     return None
 
 
-TORCH_PATHS = {"xkern": xkern_path, "torchtitan": torchtitan_path, "plain": plain_path, "liger": liger_path,
-               "transformer_engine": transformer_engine_path}
+TORCH_PATHS = {"xkern": xkern_path, "torchtitan": torchtitan_path, "plain": plain_path, "liger": liger_path}
 LAYOUTS = {xkern_path: xkern_layout}  # the paths that make their own layout from the ids (the others: `layout`)
 
 
@@ -607,32 +590,6 @@ def cells(r: dict, rows: list[dict], is_peer) -> tuple[str, str, str, str]:
     return us, ratio, peak, ref
 
 
-def plot(rows: list[dict], gpu: str, path: str) -> str | None:
-    """Bars of device time per path, a panel per (size, part): drawn from the rows (the JSON's)."""
-    from benchmarks.report import _plt
-
-    panels = list(dict.fromkeys((r["size"], r["part"]) for r in rows if "us" in r))
-    if not panels:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
-    for ax, (size, part) in zip(axes[0], panels, strict=True):
-        sel = [r for r in rows if r["size"] == size and r["part"] == part and "us" in r]
-        labels = [f"{r['impl']}\n({r['framework']})" for r in sel]
-        ax.bar(range(len(sel)), [r["us"] / 1e3 for r in sel],
-               color=["tab:blue" if r["impl"] == "xkern" else "tab:grey" for r in sel])
-        ax.set_xticks(range(len(sel)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel("ms per step (fwd + bwd)")
-        ax.set_title(f"{size} (T={sel[0]['tokens']}): {part}", fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"MoE layer step, {gpu}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def size_arguments(parser, name: str) -> None:
     """The arguments both MoE layer benchmarks take; `name` is the results' file name after `<gpu>-`."""
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
@@ -676,21 +633,14 @@ def ordered(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (sizes.index(r["size"]), PARTS.index(r["part"]), PATHS.index(r["impl"])))
 
 
-def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str, draw: bool = True) -> str:
-    """`results_stem(...)` .json (results), .md and (`draw`) .png: its stem."""
+def write_results(out_dir: str, gpu: str, name: str, args, results: dict, md: str) -> str:
+    """`results_stem(...)` .json (results) and .md: its stem."""
     os.makedirs(out_dir, exist_ok=True)
     stem = results_stem(out_dir, gpu, name, args, results["smoke"])
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(md + "\n")
-    if not draw:
-        return stem
-    try:
-        drawn = plot(results["rows"], gpu, stem + ".png")
-    except ImportError as err:  # no matplotlib: the tables are still written
-        drawn = f"no plot ({err})"
-    print(f"wrote {stem}.json, .md and {drawn}")
     return stem
 
 
@@ -707,7 +657,7 @@ def main(argv=None) -> int:
         if not set(chosen) <= set(names):
             parser.error(f"--{flag}: expected a comma-separated subset of {', '.join(names)}, got {chosen}")
 
-    from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU
+    from benchmarks.machine import GPU, RESULTS, commit, gpu_kind, versions  # noqa: I001 - first: the platform env on CPU
     import torch
 
     from benchmarks import timing
@@ -731,7 +681,7 @@ def main(argv=None) -> int:
             write_results(out_dir, gpu, "moe-layer", args, {
                 "gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "align": ALIGN,
                 "ref_tol": REF_TOL, "versions": versions(), "complete": final, "runs": runs + [run], "rows": rows},
-                markdown(rows, gpu), final)
+                markdown(rows, gpu))
 
     rows = []
     for label, size in sizes.items():
@@ -742,19 +692,6 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["impl"] == "xkern" and (r["status"] != "ok" or r.get("bitwise_run_to_run") is False
                                                          or r.get("ref_check", "pass") != "pass")]
     return 1 if bad else 0
-
-
-def versions() -> dict:
-    """The versions of what the step runs on (None where not installed)."""
-    from importlib import metadata
-
-    out = {}
-    for dist in ("torch", "triton", "liger-kernel", "transformer-engine"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 if __name__ == "__main__":

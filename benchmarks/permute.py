@@ -19,7 +19,6 @@ from benchmarks.runner import Case, Inputs, Op, same_bits_torch, to_jax
 from xkern import reference as R
 
 SHAPES = [(8192, 2048), (8192, 7168), (16384, 2048), (16384, 7168)]  # (tokens T, hidden H)
-QUICK_SHAPES = [(8192, 2048)]
 VALIDATE = [(64, 96), (40, 33)]
 SMOKE = [(16, 40)]
 TOP_K, EXPERTS_PER_RANK, NUM_RANKS, ALIGNMENT = 8, 8, 8, 16
@@ -45,7 +44,7 @@ def layout(counts, n_pad: int, lib):
 
 def _cases(op: str):
     def cases(mode: str) -> list[Case]:
-        shapes = {"main": SHAPES, "quick": QUICK_SHAPES, "validate": VALIDATE, "smoke": SMOKE}.get(mode, [])
+        shapes = {"main": SHAPES, "validate": VALIDATE, "smoke": SMOKE}.get(mode, [])
         out = []
         for t, h in shapes:
             _, n, n_pad = routing(t, h)

@@ -178,29 +178,24 @@ def _header(results) -> str:
 
 
 def host_tables(results) -> list[str]:
-    out = []
     host = [h for h in results.get("host", []) if "wall_us" in h]
-    if host:
-        out += ["", "**Host cost per call** (eager tight loop, one synchronize at the end; wall µs per call, the "
-                "device time of the call in a CUDA graph beside it). The floor of this host: an empty custom op, an "
-                "empty Triton launch, and `torch.autograd.grad` through a native op (F.rms_norm's forward + "
-                "backward); each xkern call's own floor: its eager executor's allocations and launches with every "
-                "kernel empty (the rest of the call is its Python: checks, cache lookup, autograd).", ""]
-        lines = []
-        for (op, pass_), by in group_by_impl(host, lambda h: (h["op"], h["pass"])).items():
-            if op == "floor":
-                lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", "", ""] for impl, h in by.items()]
-                continue
-            xk = by.pop("xkern (torch)", None)
-            floors = {impl: by.pop(impl) for impl in [i for i in by if i.startswith("floor:")]}
-            own = [f"{h['wall_us']:.1f} ({impl.removeprefix('floor: its ')})" for impl, h in floors.items()]
-            lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
-                          f"{xk['wall_us']:.1f}" if xk else "",
-                          f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",
-                          ", ".join(own), ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
-        out += table(["call", "xkern wall µs", "xkern device µs", "its floor: wall µs (empty kernels)",
-                       "peers: wall µs"], lines)
-    return out
+    if not host:
+        return []
+    lines = []
+    for (op, pass_), by in group_by_impl(host, lambda h: (h["op"], h["pass"])).items():
+        if op == "floor":
+            lines += [[f"floor: {impl}", f"{h['wall_us']:.1f}", "", ""] for impl, h in by.items()]
+            continue
+        xk = by.pop("xkern (torch)", None)
+        lines.append([f"{op} {PASS_NAMES[pass_]} ({(xk or next(iter(by.values())))['shape']})",
+                      f"{xk['wall_us']:.1f}" if xk else "",
+                      f"{xk['device_us']:.1f}" if xk and xk.get("device_us") is not None else "",
+                      ", ".join(f"{impl} {h['wall_us']:.1f}" for impl, h in by.items())])
+    return ["", "**Host cost per call** (eager tight loop, one synchronize at the end; wall µs per call, the device "
+            "time of the call in a CUDA graph beside it). The floor of this host: an empty custom op, an empty Triton "
+            "launch, an autograd.Function that only allocates, and `torch.autograd.grad` through a native op "
+            "(F.rms_norm's forward + backward).", ""] + table(
+        ["call", "xkern wall µs", "xkern device µs", "peers: wall µs"], lines)
 
 
 def sweep_tables(rows) -> list[str]:
@@ -300,62 +295,8 @@ def plot_fractions(results: dict, path: str, ops) -> str | None:
     return path
 
 
-def plot_sweep(results: dict, path: str) -> str | None:
-    """xkern (torch) over the best peer against width (log scale), a line per pass and dtype; JAX/torch."""
-    rs = ratios([r for r in results["rows"] if r.get("sweep")])
-    if not rs:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), squeeze=False)
-    for ax, key, title in ((axes[0][0], "ratio", "xkern (torch) / best peer"),
-                           (axes[0][1], "jax_ratio", "xkern JAX / xkern torch")):
-        for pass_, dtype in dict.fromkeys((r["pass"], r["dtype"]) for r in rs):
-            sel = sorted((r for r in rs if (r["pass"], r["dtype"]) == (pass_, dtype) and r[key]),
-                         key=lambda r: r["width"])
-            ax.plot([r["width"] for r in sel], [r[key] for r in sel], "-o" if dtype == "bfloat16" else ":x",
-                    markersize=3, label=f"{PASS_NAMES[pass_]} {dtype}")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("width")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"RMSNorm width sweep, {_stamp(results)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_host(results: dict, path: str) -> str | None:
-    """Wall µs per call of every entry of the host table, grouped by op and pass."""
-    host = [h for h in results.get("host", []) if "wall_us" in h]
-    if not host:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(10, 0.28 * len(host) + 1.2))
-    labels = [f"{h['op']} {h['pass']}: {h['impl']}" for h in host]
-    colors = ["tab:blue" if h["impl"].startswith("xkern") else "tab:grey"
-              if h["op"] == "floor" or h["impl"].startswith("floor:") else "tab:orange"
-              for h in host]
-    ax.barh(range(len(host)), [h["wall_us"] for h in host], color=colors)
-    ax.set_yticks(range(len(host)))
-    ax.set_yticklabels(labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("wall µs per call (eager loop)")
-    ax.set_title(f"Host cost per call, {_stamp(results)}", fontsize=10)
-    ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plots(results: dict, out_dir: str, stem: str) -> list[str]:
     made = [plot_fractions(results, os.path.join(out_dir, f"{stem}-{name}.png"), ops) for name, ops in FIGURES.items()]
-    made += [plot_sweep(results, os.path.join(out_dir, f"{stem}-widths.png")),
-             plot_host(results, os.path.join(out_dir, f"{stem}-host.png"))]
     return [p for p in made if p]
 
 

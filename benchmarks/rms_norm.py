@@ -24,7 +24,6 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 SHAPES = [(262144, 128), (32768, 128), (262144, 64), (65536, 256), (8192, 2048), (32768, 4096), (8192, 8192),
           (4096, 16384), (2048, 32768), (1024, 65536)]
 SHAPES_FP16 = [(262144, 128), (8192, 2048), (4096, 16384)]
-QUICK_SHAPES = [(32768, 128), (8192, 2048), (1024, 65536)]
 # CPU (interpreter): one shape per plan regime (narrow tiles, row kernels, the backward's row kernel at
 # 8193-16384 and in SPLIT blocks above, its column split above 32768) and fp16.
 VALIDATE = [((64, 128), "bfloat16"), ((37, 1000), "bfloat16"), ((4, 9000), "bfloat16"), ((5, 16500), "bfloat16"),
@@ -46,8 +45,7 @@ def cases(mode: str) -> list[Case]:
     sweep = [((SWEEP_ELEMS // n, n), "bfloat16") for n in SWEEP_WIDTHS]
     sweep += [((SWEEP_ELEMS // n, n), "float16") for n in SWEEP_FP16]
     shapes = {"main": [(s, "bfloat16") for s in SHAPES] + [(s, "float16") for s in SHAPES_FP16],
-              "quick": [(s, "bfloat16") for s in QUICK_SHAPES], "validate": VALIDATE, "smoke": SMOKE,
-              "sweep": sweep, "sweep-smoke": SWEEP_SMOKE}[mode]
+              "validate": VALIDATE, "smoke": SMOKE, "sweep": sweep, "sweep-smoke": SWEEP_SMOKE}[mode]
     info = {"sweep": True} if mode.startswith("sweep") else {}
     return [Case("rms_norm", shape, dtype, PASSES, dict(info)) for shape, dtype in shapes]
 

@@ -58,7 +58,7 @@ class Inputs:
 class Op:
     """What an op declares to the runner.
 
-    - `cases(mode)`: the cases of a mode ("main", "quick", "smoke", "sweep").
+    - `cases(mode)`: the cases of a mode ("main", "validate", "smoke", "sweep").
     - `make(case, device, n_sets)`: `Inputs` with its reference.
     - `check(case, ref, got)`: (stats, failure or None); `got` maps "y" and one name per differentiable
       input (`grad_names`) to torch tensors.

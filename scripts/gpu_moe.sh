@@ -2,16 +2,13 @@
 # The MoE layer benchmarks on one GPU at one size: the torch step (xkern, Liger's fused MoE, torchtitan,
 # plain), the JAX step (xkern against the MaxText-style path, in its own process) and, at the Qwen3-MoE size,
 # the Hugging Face training step. Each under its own time limit, logs and results in OUTDIR/<kind>/.
-# Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md):
 #   bash scripts/gpu_moe.sh OUTDIR [qwen3-moe|deepseek-v3]
 # Limits (s): TORCH_TIMEOUT 320, JAX_TIMEOUT 300, HF_TIMEOUT 150 (Qwen3-MoE on an H100: ~7 min in all).
 # PARTS (default "torch jax hf") picks the steps; TORCH_ARGS goes to benchmarks.moe_layer (`--parts layer
 # --paths liger`: some rows of the results file in OUTDIR/<kind>/, the others kept), JAX_ARGS to
-# benchmarks.jax_moe_layer (`--mgpu-blocks $(cat DIR/mgpu-blocks-qwen3-moe.txt)`: tools.mgpu_probe's choice).
-# At the DeepSeek-V3 size one path's layer row takes about 2 minutes on an H100 and Liger's first about 3
-# (its autotuner, 160 configs, compiled in parallel first), so where a run has a time limit that size goes
-# in pieces (docs/benchmarks.md, the MoE layer step), then PARTS=jax (which reads the torch JSON).
-# Autotuning results are cached (TRITON_CACHE_AUTOTUNING): a second run on the machine skips it.
+# benchmarks.jax_moe_layer. At the DeepSeek-V3 size one path's layer row takes about 2 minutes on an H100 and
+# Liger's first about 3 (its autotuner), so a run with a time limit takes that size in pieces (docs/benchmarks.md),
+# then PARTS=jax (which reads the torch JSON). Autotuning results are cached (TRITON_CACHE_AUTOTUNING).
 set -u
 OUTDIR=${1:?usage: gpu_moe.sh OUTDIR [SIZE]}
 SIZE=${2:-qwen3-moe}
@@ -35,17 +32,13 @@ if [[ $PARTS == *" torch "* ]]; then
   echo "torch moe_layer rc=$?"; grep -E "^$SIZE" "$OUT_KIND/moe-layer-$SIZE.log"
 fi
 
-# The experts' GEMMs by xkern's grouped GEMM (jax_api.grouped_mm); where that fails, jax's Mosaic GPU kernels
-# for Hopper, then loops of dense GEMMs over row tiles (XLA's own ragged_dot expands the weight gradient per
-# expert: 197 GiB for the Qwen3-MoE step).
+# The experts' GEMMs by xkern's grouped GEMM (jax_api.grouped_mm): XLA's own ragged_dot expands the weight
+# gradient per expert (197 GiB for the Qwen3-MoE step).
 if [[ $PARTS == *" jax "* ]]; then
-  for GEMM in xkern mgpu tiled; do
-    # shellcheck disable=SC2086 # JAX_ARGS: words for the command line
-    timeout "${JAX_TIMEOUT:-300}" "$PY" -m benchmarks.jax_moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
-      --experts-gemm "$GEMM" --xla-flags "$FLAGS" ${JAX_ARGS:-} > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
-    echo "jax_moe_layer --experts-gemm $GEMM rc=$?"; grep -E "^$SIZE" "$OUT_KIND/jax-moe-layer-$SIZE.log"
-    grep -q "xkern layer.*\[ok\]" "$OUT_KIND/jax-moe-layer-$SIZE.log" && break
-  done
+  # shellcheck disable=SC2086 # JAX_ARGS: words for the command line
+  timeout "${JAX_TIMEOUT:-300}" "$PY" -m benchmarks.jax_moe_layer --sizes "$SIZE" --out "$OUT_KIND" \
+    --experts-gemm xkern --xla-flags "$FLAGS" ${JAX_ARGS:-} > "$OUT_KIND/jax-moe-layer-$SIZE.log" 2>&1
+  echo "jax_moe_layer rc=$?"; grep -E "^$SIZE" "$OUT_KIND/jax-moe-layer-$SIZE.log"
 fi
 
 if [[ $SIZE == qwen3-moe && $PARTS == *" hf "* ]]; then
