@@ -19,6 +19,7 @@ import functools
 import numpy as np
 
 from benchmarks import timing
+from benchmarks.report import table
 from benchmarks.rms_norm import EPS, hf_rms_norm
 from benchmarks.runner import as_torch, invalid_if_above_ceiling, profile_fields, same_bits_torch, to_jax
 from benchmarks.timing import error_status
@@ -282,13 +283,13 @@ def markdown(rows: list[dict]) -> str:
     """The table: one line per width and pass, each implementation's fraction of the copy ceiling."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     keys = list(dict.fromkeys((tuple(r["shape"]), r["pass"]) for r in rows))
-    lines = ["### add_rms_norm (fused residual add + RMSNorm), fraction of the copy ceiling",
-             "", "| shape | pass | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+    lines = []
     for shape, pass_ in keys:
         cells = []
         for impl in impls:
             r = next((r for r in rows if r["impl"] == impl and tuple(r["shape"]) == shape and r["pass"] == pass_), None)
             cells.append("" if r is None else f"{r['frac']:.2f} ({r['us']:.1f} µs)" if r.get("frac") else
                          r.get("status", "")[:40])
-        lines.append(f"| {'x'.join(map(str, shape))} | {pass_} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(["x".join(map(str, shape)), pass_, *cells])
+    return "\n".join(["### add_rms_norm (fused residual add + RMSNorm), fraction of the copy ceiling", ""]
+                     + table(["shape", "pass", *impls], lines))

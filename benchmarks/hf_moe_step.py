@@ -30,6 +30,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.report import table
+
 QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
                  head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                  vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
@@ -187,19 +189,19 @@ def markdown(rows: list[dict], gpu: str) -> str:
     lines = [f"## Hugging Face Qwen3-MoE training step on {gpu} ({r0['layers']} layers, {r0['tokens']} tokens, "
              f"{r0['experts']} experts, top {r0['top_k']}, bf16, AdamW; FP32 reference: relative L2, pass <= "
              f"{REF_TOL:g} or <= twice transformers' own path's)", "",
-             "| experts path | ms / step | xkern / grouped_mm | peak MiB | logits rel L2 | worst grad rel L2 "
-             "| status |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             ]
+    cols = []
     base = next((r["step_ms"] for r in rows if r["path"] == "grouped_mm" and "step_ms" in r), None)
     for r in rows:
         ms = f"{r['step_ms']:.2f}" if "step_ms" in r else ""
         ratio = f"{r['step_ms'] / base:.2f}x" if ms and base and r["path"] == "xkern" else ""
         peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else ""
         ref = r.get("ref_rel_l2", {})
-        lines.append(f"| {r['path']} | {ms} | {ratio} | {peak} | {ref.get('logits', float('nan')):.2e} | "
-                     f"{ref.get('worst_grad', float('nan')):.2e} ({ref.get('worst_grad_param', '')}) | "
-                     f"{r['status']}{'' if r.get('ref_check', 'pass') == 'pass' else ', ' + r['ref_check']} |")
-    return "\n".join(lines)
+        cols.append([r["path"], ms, ratio, peak, f"{ref.get('logits', float('nan')):.2e}",
+                     f"{ref.get('worst_grad', float('nan')):.2e} ({ref.get('worst_grad_param', '')})",
+                     r["status"] + ("" if r.get("ref_check", "pass") == "pass" else ", " + r["ref_check"])])
+    return "\n".join(lines + table(["experts path", "ms / step", "xkern / grouped_mm", "peak MiB", "logits rel L2",
+                                    "worst grad rel L2", "status"], cols))
 
 
 def main(argv=None) -> int:

@@ -64,6 +64,7 @@ from benchmarks.moe_layer import (
     size_arguments,
     write_results,
 )
+from benchmarks.report import table
 
 PATHS = ("xkern", "maxtext")
 DEFAULT_XLA_FLAGS = "--xla_gpu_autotune_level=0"
@@ -524,14 +525,15 @@ def markdown(rows: list[dict], device: str, xla_flags: str, experts_gemm: str) -
     lines = [f"## MoE layer step (JAX) on {device} (fwd + bwd, bf16, jit; XLA_FLAGS `{xla_flags}`; experts' grouped "
              f"GEMM: {EXPERT_GEMM_NAMES.get(experts_gemm, experts_gemm)}, both paths; FP32 reference: worst "
              f"relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
-             "| size | part | path | µs | xkern / maxtext | / torch xkern | compiled peak MiB | FP32 reference | "
-             "bitwise run-to-run | status |", "|---|---|---|---:|---:|---:|---:|---|---|---|"]
+             ]
+    cols = []
     for r in rows:
         us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] == "maxtext")
         torch = f"{r['vs_torch_xkern']:.2f}x" if "vs_torch_xkern" in r else ""
-        lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {torch} | "
-                     f"{peak} | {ref} | {r.get('bitwise_run_to_run', '')} | {r['status']} |")
-    return "\n".join(lines)
+        cols.append([f"{r['size']} (T={r['tokens']})", r["part"], r["impl"], us, ratio, torch, peak, ref,
+                     r.get("bitwise_run_to_run", ""), r["status"]])
+    return "\n".join(lines + table(["size", "part", "path", "µs", "xkern / maxtext", "/ torch xkern",
+                                    "compiled peak MiB", "FP32 reference", "bitwise run-to-run", "status"], cols))
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,8 @@ import json
 import os
 import sys
 
+from benchmarks.report import table
+
 SIZES = {  # hidden, experts, top_k, expert width (intermediate), tokens (scaled to fit one GPU with grads)
     "deepseek-v3": dict(hidden=7168, experts=256, top_k=8, inter=2048, tokens=8192),
     "qwen3-moe": dict(hidden=2048, experts=128, top_k=8, inter=768, tokens=16384),
@@ -568,15 +570,16 @@ AUTOTUNE_OFF = " (Liger's autotune off: one config per kernel)"  # a Liger row's
 def markdown(rows: list[dict], gpu: str) -> str:
     lines = [f"## MoE layer step (torch) on {gpu} (fwd + bwd, bf16; dispatch+combine = permute + weighted combine "
              f"alone; FP32 reference: worst relative L2 of the output and every gradient, pass <= {REF_TOL:g})", "",
-             "| size | part | path | µs | xkern / best peer | peak MiB | FP32 reference | bitwise run-to-run | "
-             "max rel diff vs torchtitan | status |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
+             ]
+    cols = []
     for r in rows:
         us, ratio, peak, ref = cells(r, rows, lambda p: p["impl"] != "xkern")
         rel = f"{r['max_rel_diff_vs_torchtitan']:.2e}" if "max_rel_diff_vs_torchtitan" in r else ""
         status = r["status"] + AUTOTUNE_OFF * (r.get("liger_autotune") is False)
-        lines.append(f"| {r['size']} (T={r['tokens']}) | {r['part']} | {r['impl']} | {us} | {ratio} | {peak} | {ref} "
-                     f"| {r.get('bitwise_run_to_run', '')} | {rel} | {status} |")
-    return "\n".join(lines)
+        cols.append([f"{r['size']} (T={r['tokens']})", r["part"], r["impl"], us, ratio, peak, ref,
+                     r.get("bitwise_run_to_run", ""), rel, status])
+    return "\n".join(lines + table(["size", "part", "path", "µs", "xkern / best peer", "peak MiB", "FP32 reference",
+                                    "bitwise run-to-run", "max rel diff vs torchtitan", "status"], cols))
 
 
 def cells(r: dict, rows: list[dict], is_peer) -> tuple[str, str, str, str]:

@@ -161,68 +161,13 @@ def torch_make_calls(fn, pass_: str, inputs: Inputs):
     return make
 
 
-def _feed(dst, src):
-    """The next iteration's input from this one's output: the output itself when it has the input's shape,
-    else the input with its first row replaced (the loop then depends on every call at the cost of a row).
-    The barrier keeps XLA from computing only that row of an XLA op (a gather, say)."""
-    import jax
-
-    if src.shape == dst.shape and src.dtype == dst.dtype:
-        return src
-    return dst.at[0].set(jax.lax.optimization_barrier(src)[0].astype(dst.dtype))
-
-
-def jax_loop(fn, pass_: str, sets, consts, dependent: bool = True):
-    """(step, loop consts, initial state) for `timing.jax_device_us`; each output feeds the next input.
-
-    fwd+bwd with `dependent` (the default since 2026-12-04): the cotangent waits for this step's y
-    (an optimization barrier over both), as in a model, where it comes from the layers after this one.
-    Without it XLA may fuse its forward and backward into one pass over x (the cotangent, the previous y,
-    is there from the start), which no model step allows and torch's autograd never does (forward and
-    backward are separate graphs). xkern's steps time the same either way (docs/benchmarks.md)."""
-    import jax
-    import jax.numpy as jnp
-
-    if pass_ == "fwd":
-        def step(c, state):  # state: (args, ...) per set
-            return tuple((_feed(a[0], fn(*a, *c)),) + tuple(a[1:]) for a in state)
-        return step, consts, tuple(tuple(jnp.copy(a) for a in args) for args, _ in sets)
-    if pass_ == "bwd":
-        # state: (cot, (the other grads of the last step, of the step before)) per set; vjps of forwards made
-        # before. The first grad becomes the next cot; kept a second time in the state it would cost a copy
-        # of it per step (XLA gives each loop carry element its own buffer). The other grads of the last two
-        # steps are kept: the loop runs two steps per iteration, and with the last one's only XLA drops the
-        # first's dw reduction (half the reductions timed: the H200's compiled HLO, 2026-12-04).
-        (x0, *_), cot0 = sets[0]
-        whole = x0.shape == cot0.shape and x0.dtype == cot0.dtype
-
-        def step(vjps, state):
-            out = []
-            for vjp, (cot, (last, _)) in zip(vjps, state, strict=True):
-                grads = tuple(vjp(cot))
-                out.append((_feed(cot, grads[0]), (grads[1:] if whole else grads, last)))
-            return tuple(out)
-        vjps = tuple(jax.vjp(lambda *a: fn(*a, *consts), *args)[1] for args, _ in sets)
-        state = tuple((jnp.copy(cot), tuple(tuple(jnp.zeros_like(a) for a in (args[1:] if whole else args))
-                                            for _ in range(2))) for args, cot in sets)
-        return step, vjps, state
-
-    def step(c, state):  # state: (args, cot) per set: args <- grads, cot <- y
-        out = []
-        for args, cot in state:
-            y, vjp = jax.vjp(lambda *a: fn(*a, *c), *args)
-            if dependent:
-                y, cot = jax.lax.optimization_barrier((y, cot))
-            out.append((tuple(vjp(cot)), _feed(cot, y)))
-        return tuple(out)
-    return step, consts, tuple((tuple(jnp.copy(a) for a in args), jnp.copy(cot)) for args, cot in sets)
-
-
 def jax_calls(fn, pass_: str, sets, consts) -> list:
     """For `timing.profile_device_us`: one call per input set, each a jitted program of its own (XLA cannot
     fuse one call's outputs into the next call's inputs), returning every output (nothing can be elided).
     Backward: the vjp of a forward made beforehand. Forward + backward: the cotangent waits for this call's
-    y (an optimization barrier over both), as in a model (`jax_loop` says why)."""
+    y (an optimization barrier over both), as in a model, where it comes from the layers after this one:
+    given from the start, XLA may fuse the forward and backward into one pass over x, which no model step
+    allows and torch's autograd never does."""
     import jax
 
     if pass_ == "fwd":

@@ -21,7 +21,7 @@ are captured and replayed under a short do_bench.
   are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median). That is
   device time with no host launch gaps, autograd's included. If capture fails the eager calls are timed
   the same way and the row's `timing` says so.
-- JAX, `jax_device_us` (the sharded step only): `n` calls of the pass run inside one jitted
+- JAX, `jax_device_us` (the JAX MoE layer step): `n` calls of the pass run inside one jitted
   `lax.fori_loop` (two per iteration, so that XLA needs no copy of the carry) whose carry feeds each
   output into the next call's input (nothing can be hoisted); host wall time of the whole call, median of
   a few, divided by the number of calls. `n` is static, so XLA knows the trip count (and need not read the

@@ -207,31 +207,6 @@ def test_readme_body_one_legend_and_torch_only_moe(tmp_path):
     assert "| front end | size | part | xkern | peers | xkern / fastest | peak MiB | commit |\n" in text
 
 
-@pytest.mark.parametrize("impl", ["xkern (jax)", "jax.jit (XLA)"])
-def test_dependent_cotangent_step_computes_the_same(impl):
-    """`runner.jax_loop(dependent=True)` (the benchmark's JAX fwd+bwd step) only orders the backward after y: one
-    fwd+bwd step gives bitwise the same grads and next cotangent as the benchmark's step."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from benchmarks import rms_norm as RN
-    from benchmarks.runner import jax_loop
-
-    keys = jax.random.split(jax.random.key(3), 3)
-    x, cot = (jax.random.normal(k, (6, 64), jnp.bfloat16) for k in keys[:2])
-    w = jax.random.normal(keys[2], (64,), jnp.bfloat16)
-    fn = RN.jax_impls(None)[impl]
-    outs = []
-    for dependent in (False, True):
-        step, consts, state = jax_loop(fn, "fwd+bwd", [([x, w], cot)], (), dependent=dependent)
-        outs.append(jax.tree_util.tree_leaves(jax.jit(step)(consts, state)))
-    assert len(outs[0]) == len(outs[1]) == 3  # dx, dw, the next cotangent (y)
-    for a, b in zip(*outs):
-        assert np.asarray(a).view(np.uint16).tolist() == np.asarray(b).view(np.uint16).tolist()
-    assert not np.array_equal(np.asarray(outs[0][2], np.float32), np.asarray(cot, np.float32))
-
-
 @pytest.mark.slow  # the smoke run above covers the host tables; this, `--host` alone
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: run `python -m benchmarks.main --host` itself there")
 def test_host_tables_alone(tmp_path):
