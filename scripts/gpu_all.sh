@@ -2,12 +2,11 @@
 # The GPU validation after kernel or plan changes: the test suite, the large tests and the memcheck subset
 # (scripts/gpu_suite.sh), and (BENCH_S > 0) the benchmark report, each step under its own time limit so one
 # slow step cannot take the others' logs with it. Prints the summary lines of the logs.
-# Usage, on a machine with an NVIDIA GPU and the wheels in .whl/ (docs/gpu-runs.md): `bash scripts/gpu_all.sh
-# OUTDIR`. Logs go to OUTDIR/<kind>/ (nvidia-h100, nvidia-h200: from the GPU's name), gpu_suite.log and
+# Usage, on a machine with an NVIDIA GPU (docs/gpu-runs.md): `bash scripts/gpu_all.sh OUTDIR`. Logs go to OUTDIR/<kind>/ (nvidia-h100, nvidia-h200: from the GPU's name), gpu_suite.log and
 # memcheck.log: copy that folder over tests/gpu_logs/<kind>/, and the benchmark's JSON/PNG/log to
 # benchmarks/results/<kind>/.
-# Limits (s): SUITE_TIMEOUT 240, then LARGE_TIMEOUT 150 beside MEMCHECK_TIMEOUT 150: at most ~420 s with
-# setup, under 10 minutes with a machine's start. The benchmark usually runs on its own (BENCH_S=0).
+# Each step stops at its own limit against a hang (scripts/gpu_suite.sh). The benchmark usually runs on its own
+# (BENCH_S=0).
 set -u
 OUTDIR=${1:?usage: gpu_all.sh OUTDIR}
 BENCH_S=${BENCH_S:-0}

@@ -5,15 +5,14 @@
 # tests/gpu_logs/<kind>/, <kind> from the GPU's name, e.g. nvidia-h100: scripts/setup.sh): gpu_suite.log
 # (the suite, then the large tests, each with its slowest tests) and memcheck.log. Each step has its own
 # time limit in seconds, SUITE_TIMEOUT, LARGE_TIMEOUT and MEMCHECK_TIMEOUT; at the limit pytest gets an
-# interrupt, so the log still ends in its summary and durations. Needs jax-triton (a wheel in
-# .whl/, see scripts/setup.sh).
+# interrupt, so the log still ends in its summary and durations. Needs jax-triton (docs/gpu-runs.md).
 source "$(dirname "$0")/setup.sh"
 # setup.sh sets -e: a failing pytest would end the logged block there, skipping the rc line and the large
 # tests (on 2026-12-04 two failures hid both).
 set +e
 LOGS=${1:-tests/gpu_logs}/$GPU_KIND
 mkdir -p "$LOGS"
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-240} LARGE_TIMEOUT=${LARGE_TIMEOUT:-150} MEMCHECK_TIMEOUT=${MEMCHECK_TIMEOUT:-150}
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1200} LARGE_TIMEOUT=${LARGE_TIMEOUT:-600} MEMCHECK_TIMEOUT=${MEMCHECK_TIMEOUT:-600}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # One Triton cache for every process of the run: a kernel variant compiled by one xdist worker is loaded,
 # not compiled again, by the others, the large tests and memcheck (jax_api puts the variable back after
@@ -21,15 +20,16 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/xkern-triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 # Inductor compiles in each test process itself: a pool of compile workers per xdist process (one per core
-# by default) would put ~14 x 16 processes on 16 cores and start each pool for a few small graphs.
+# by default) would put ~14 x 16 processes on 16 cores (the H100 machines') and start each pool for a few small graphs.
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
-# Kernel compiles dominate the run: spread the tests over 14 processes (XDIST_N) where pytest-xdist is
-# installed (16 cores), handed out test by test, idle processes taking queued tests from busy ones
+# Kernel compiles dominate the run: spread the tests over the cores less two (XDIST_N; 14 on 16 cores) where
+# pytest-xdist is installed, handed out test by test, idle processes taking queued tests from busy ones
 # (`worksteal`, pytest-xdist >= 3.2; else `load`). The large tests: two processes, the tests of many GB
 # in one of them (their xdist_group), the others beside.
 if "$PY" -c "import xdist" 2>/dev/null; then
   read -r DIST GROUPS_OK < <("$PY" -c "import xdist.scheduler as s; print('worksteal' if hasattr(s, 'WorkStealingScheduling') else 'load', int(hasattr(s, 'LoadGroupScheduling')))")
-  XDIST="-n ${XDIST_N:-14} --dist ${XDIST_DIST:-$DIST}"
+  CORES=$(nproc)
+  XDIST="-n ${XDIST_N:-$(( CORES > 3 ? CORES - 2 : 1 ))} --dist ${XDIST_DIST:-$DIST}"
   [ "$GROUPS_OK" = 1 ] && XDIST_LARGE="-n 2 --dist loadgroup"
 fi
 START=$SECONDS

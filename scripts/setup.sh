@@ -6,7 +6,8 @@
 # kernels (Hugging Face's kernel hub client) for tests/test_hf.py's `kernelize` tests (0.17.2 here; transformers
 # 5.24 marks its classes for the hub and takes use_kernels=True only with 0.18.x, so those tests mark them).
 # flax (with optax) for jax_api.nnx and tests/test_nnx.py.
-# On a GPU machine: the system python3 and what is installed there, plus wheels carried in .whl/.
+# On a GPU machine: the system python3 and what is installed there; on a machine without network, plus the
+# wheels of .whl/ (docs/gpu-runs.md), installed once per machine into /tmp/xkern-site.
 set -e
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -20,7 +21,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     fi
     export PYTHONPATH=/tmp/xkern-site:${PYTHONPATH:-}
   fi
-  source "$ROOT/scripts/quack.sh"  # quack, a benchmark peer: installed where carried, on the path once installed
+  if [ -d /tmp/xkern-site/nvidia_cutlass_dsl/dsl_packages ]; then  # quack's CuTe DSL, where its wheels came in .whl/
+    export PYTHONPATH=/tmp/xkern-site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  fi
   export PYTHONPATH=$ROOT:${PYTHONPATH:-}
   # The GPU's kind, naming its logs and results: "NVIDIA H100 80GB HBM3" -> nvidia-h100, "NVIDIA H200" -> nvidia-h200
   GPU_KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr '[:upper:]' '[:lower:]' |
