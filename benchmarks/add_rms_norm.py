@@ -1,5 +1,5 @@
 """Fused residual add + RMSNorm (`add_rms_norm`): the op alone against its peers, forward and forward +
-backward, as a table of its own (`add_rms_norm_table`, run by benchmarks/main.py after the block step).
+backward, as a table of its own (`add_rms_norm_table`, run by `benchmarks.main --only add_rms_norm`).
 
 The runner's `Op` takes one output and one cotangent; this op has two of each (y and residual_out, whose
 gradient a decoder layer always has), so it is timed here with the runner's timing functions: torch in CUDA

@@ -1,8 +1,8 @@
-"""One test per item: what a hostile user tried, each a wrong answer, an out-of-bounds read or an
-error that did not name the argument. Results are judged by the FP64 oracle (xkern/reference.py) or by
+"""Inputs a hostile user tries: each once gave a wrong answer, an out-of-bounds read or an error that did
+not name the argument. Results are judged by the FP64 oracle (xkern/reference.py) or by
 eager PyTorch; torch_api and jax_api must agree bit for bit where both take the input.
 
-Shapes are tiny (the interpreter costs ~8 ms a program). The weight layouts of item 1 also run under
+Shapes are tiny (the interpreter costs ~8 ms a program). The weight layouts below also run under
 compute-sanitizer on the GPU (tests/gpu_sanitize.py).
 """
 
@@ -52,11 +52,11 @@ def _check_fwd_bwd(y, dx, dw, x, w, dy, eps):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 1. A weight that is not contiguous (strided, expanded from one element) in every op that takes one.
+# A weight that is not contiguous (strided, expanded from one element) in every op that takes one.
 
 
 @pytest.mark.parametrize("layout", ["strided", "expanded", "module"])
-def test_1_weight_any_layout(layout):
+def test_weight_of_any_layout_matches_the_contiguous_weight(layout):
     rng = _rng(1, layout)
     n = 24
     x = rand(rng, (5, n), "float32")
@@ -95,7 +95,7 @@ def test_1_weight_any_layout(layout):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Forward-mode AD: torch.func.jvp and torch.autograd.forward_ad (and jvp of grad: Hessian-vector products).
+# Forward-mode AD: torch.func.jvp and torch.autograd.forward_ad (and jvp of grad: Hessian-vector products).
 
 
 def _jvp_both_ways(f, primals, tangents):
@@ -110,7 +110,7 @@ def _jvp_both_ways(f, primals, tangents):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "rms_norm_hvp", "permute_rows", "unpermute_rows"])
-def test_2_forward_mode_ad(op):
+def test_forward_mode_ad_matches_the_oracle(op):
     rng = _rng(2, op)
     if op.startswith("rms_norm"):
         x, tx = (to_torch(rand(rng, (3, 16), "float32")) for _ in range(2))
@@ -147,14 +147,14 @@ def test_2_forward_mode_ad(op):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 3. Every float weight dtype eager accepts, with eager's promotion: out = promote(x, w), the normalized
+# Every float weight dtype eager accepts, with eager's promotion: out = promote(x, w), the normalized
 # value rounded to x's dtype before the product.
 
 _PAIRS = [(x, w) for x in ("bfloat16", "float16", "float32") for w in ("bfloat16", "float16", "float32") if x != w]
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", _PAIRS)
-def test_3_every_weight_dtype(x_dtype, w_dtype):
+def test_every_float_weight_dtype_promotes_as_eager(x_dtype, w_dtype):
     rng = _rng(3, x_dtype, w_dtype)
     shape = (4, 40)
     x = rand(rng, shape, x_dtype)
@@ -176,7 +176,7 @@ def test_3_every_weight_dtype(x_dtype, w_dtype):
     assert same_bits(jy, y) and same_bits(jdx, tx.grad) and same_bits(jdw, tw.grad)
 
 
-def test_3_float64_weight_is_refused_by_name():
+def test_float64_weight_is_refused_by_name():
     # The kernels compute in fp32: a float64 weight (eager would multiply in float64) is a clear error.
     x, w = torch.ones(2, 8, device=DEVICE) + 0.5, torch.ones(8, device=DEVICE, dtype=torch.float64)
     with pytest.raises(TypeError, match="weight must be float16, bfloat16 or float32, got float64"):
@@ -186,11 +186,11 @@ def test_3_float64_weight_is_refused_by_name():
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. Width 0: an empty [..., 0] result, as eager and jax_api give, and empty gradients.
+# Width 0: an empty [..., 0] result, as eager and jax_api give, and empty gradients.
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_4_width_zero(dtype):
+def test_width_zero_gives_empty_results_and_gradients(dtype):
     x = torch.empty(4, 0, dtype=TORCH_DTYPES[dtype], device=DEVICE).requires_grad_()
     w = torch.empty(0, dtype=TORCH_DTYPES[dtype], device=DEVICE).requires_grad_()
     want = _hf(x, w, EPS)
@@ -207,13 +207,13 @@ def test_4_width_zero(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 5. eps of the wrong type: a TypeError that names eps.
+# eps of the wrong type: a TypeError that names eps.
 
 
 # 0-d tensors and arrays too (`float()` would take them), and bools
 @pytest.mark.parametrize("eps", ["1e-6", None, [1e-6], torch.tensor(1e-6), np.array(1e-6), jnp.array(1e-6),
                                  np.bool_(False), False], ids=repr)
-def test_5_eps_wrong_type(eps):
+def test_eps_of_wrong_type_raises_type_error_naming_eps(eps):
     x = torch.ones(2, 8, device=DEVICE) + 0.5
     w = torch.ones(8, device=DEVICE)
     with pytest.raises(TypeError, match="eps"):
@@ -224,7 +224,7 @@ def test_5_eps_wrong_type(eps):
         jax_api.rms_norm(jnp.asarray(to_numpy(x)), jnp.asarray(to_numpy(w)), eps)
 
 
-def test_5_eps_bool_after_a_cached_call():
+def test_eps_bool_after_a_cached_call_raises():
     """Eager calls check on the first call of a signature: eps=True (== 1, hashing alike) must not ride on
     a cached eps=1 call."""
     x = torch.ones(2, 8, device=DEVICE) + 0.5
@@ -234,7 +234,7 @@ def test_5_eps_bool_after_a_cached_call():
         torch_api.rms_norm(x, w, True)
 
 
-def test_5_every_eager_op_checks_a_call_that_equals_a_cached_one():
+def test_every_eager_op_checks_a_call_that_equals_a_cached_one():
     """One eager path for every torch op: executors cached per call signature, the arguments checked on a
     miss. A bad argument equal to a cached good one (True == 1, 2.0 == 2) must miss and be refused, every
     call."""
@@ -261,10 +261,10 @@ def test_5_every_eager_op_checks_a_call_that_equals_a_cached_one():
 
 
 # ---------------------------------------------------------------------------------------------------
-# 6. Index arithmetic that would overflow int32: an error naming the argument, never a wrapped layout.
+# Index arithmetic that would overflow int32: an error naming the argument, never a wrapped layout.
 
 
-def test_6_int32_overflow_is_an_error():
+def test_index_arithmetic_past_int32_raises_naming_the_argument():
     import xkern.launch
 
     MAX_ROWS = getattr(xkern.launch, "MAX_ROWS", 2**31 - 2**20)  # the kernels' int32 row numbering
@@ -305,7 +305,7 @@ def test_6_int32_overflow_is_an_error():
 
 
 # ---------------------------------------------------------------------------------------------------
-# 7. EP dispatch bad input: ValueError/TypeError naming the argument (torch: a one-rank gloo group; JAX: a
+# EP dispatch bad input: ValueError/TypeError naming the argument (torch: a one-rank gloo group; JAX: a
 # one-device shard_map).
 
 
@@ -321,7 +321,7 @@ def gloo_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_7_ep_dispatch_bad_input(gloo_group):
+def test_ep_dispatch_bad_input_raises_naming_the_argument(gloo_group):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(7)) + 0.5
     ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
     bad = [
@@ -366,7 +366,7 @@ def test_7_ep_dispatch_bad_input(gloo_group):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 8. The CPU path meets the GPU's contract on subnormals: exact bf16 -> fp32 conversion in the interpreter,
+# The CPU path meets the GPU's contract on subnormals: exact bf16 -> fp32 conversion in the interpreter,
 # and no flush to zero on JAX's callback threads. torch and JAX agree bit for bit, and match the oracle.
 
 
@@ -383,7 +383,7 @@ def _subnormal_rows(dtype: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_8_subnormal_rows_cpu_matches_gpu_contract(dtype):
+def test_subnormal_rows_on_cpu_keep_the_gpu_contract(dtype):
     x = _subnormal_rows(dtype)
     rng = _rng(8, "w", dtype)
     w = rand(rng, (x.shape[-1],), dtype, 0.5, 1.0)
@@ -404,7 +404,7 @@ def test_8_subnormal_rows_cpu_matches_gpu_contract(dtype):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's own conversion")
-def test_8_interpreter_bf16_to_fp32_is_exact():
+def test_interpreter_bf16_to_fp32_is_exact():
     import triton
     import triton.language as tl
 

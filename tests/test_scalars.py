@@ -2,7 +2,7 @@
 the plain Python value, whichever comes first in a process (np.int64(5) == 5 and hashes alike: a plan cached
 for one is found for the other). Bools, floats where an int is wanted, and 0-d tensors or arrays are refused
 with a TypeError naming the argument, before anything is cached (eps: test_hostile.py's
-test_5_eps_wrong_type)."""
+test_eps_of_wrong_type_raises_type_error_naming_eps)."""
 
 from __future__ import annotations
 
