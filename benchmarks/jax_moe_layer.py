@@ -1,45 +1,27 @@
 """A MoE layer step in JAX, forward + backward: xkern's dispatch and weighted combine against the pure-JAX path
-as MaxText writes it, around the same `jax.lax.ragged_dot` experts.
+as MaxText writes it, around the same experts.
 
     python -m benchmarks.jax_moe_layer [--sizes qwen3-moe,deepseek-v3] [--tokens N] [--out DIR] [--smoke]
-                                       [--torch-json PATH] [--xla-flags FLAGS]
+                                       [--torch-json PATH] [--xla-flags FLAGS] [--experts-gemm NAME]
 
-The sizes, router and SwiGLU experts are those of `benchmarks/moe_layer.py` (the torch step): router
-(x @ W_r, softmax in FP32, top-k, renormalised), then per path
-- xkern: `generate_permute_indices` (the padded expert-major layout, 16-row blocks), `jax_api.permute_rows(x,
-  idx, top_k=k)` from the token rows, the experts on the padded rows (`ragged_dot` with the padded group
-  sizes), `jax_api.unpermute_rows(y, idx, T * k, top_k=k, probs=p)`: the FP32 weighted sum of the k copies
-  in one kernel; the backward of each is one gather kernel (dprobs in the combine's, no atomics).
+The sizes, router and SwiGLU experts are `benchmarks/moe_layer.py`'s (the torch step). Per path:
+- xkern: `topk_permute_indices` (the padded expert-major layout, no sort), `jax_api.permute_rows(x, idx,
+  top_k=k)` from the token rows, the experts on the padded rows, `jax_api.unpermute_rows(y, idx, T * k,
+  top_k=k, probs=p)`: the FP32 weighted sum of the k copies in one kernel.
 - maxtext (MaxText's `RoutedMoE.permute` / `unpermute` with its sort's custom_vjp): argsort of the flattened
-  expert ids, `jnp.repeat` of the token rows k times, the sort (`x[order]`, its backward the sort by the
-  inverse permutation), `ragged_dot` with `bincount` group sizes, the unsort by `argsort(order)`, then the
-  weighted sum over the k copies in FP32 (`einsum("tkh,tk->th")`), rounded once to bf16.
-The experts: `ragged_dot(x, W13 [E, H, 2I])` split into gate and up, `silu(gate) * up`, `ragged_dot(., W2 [E,
-I, H])` (weights in ragged_dot's layout, as MaxText keeps them), through the grouped GEMM `--experts-gemm` names
-(`EXPERT_GEMMS`; on a GPU XLA's `ragged_dot` weight gradient expands per expert). Dispatch + combine alone runs
-identity experts behind an optimization barrier, so the permuted rows exist as the GEMMs would need them. Both
-paths get the same weights, routing and cotangent; the step is `jax.vjp` of the layer against the fixed
-cotangent: dx and every weight's gradient.
+  expert ids, `jnp.repeat` of the token rows, the sort, the experts with `bincount` group sizes, the unsort
+  by `argsort(order)`, the weighted sum over the k copies in FP32.
+The experts (weights in ragged_dot's layout [E, H, 2I] and [E, I, H], as MaxText keeps them) run through the
+grouped GEMM `--experts-gemm` names, the same for both paths. Dispatch + combine alone runs identity experts
+behind an optimization barrier, so the permuted rows exist as the GEMMs would need them.
 
-Reported per size and path:
-- `us`: device time per step (`timing.jax_device_us`: the step inside one jitted `fori_loop`, host wall /
-  steps; `timed_step`: nothing hoisted, the routing the same every step, every GEMM kept), for the whole
-  step and for dispatch + combine alone (router without gradient, index build, permute, identity experts,
-  combine; forward + backward into x and the probs), as the torch benchmark's rows; `profile_us` too where
-  `benchmarks.timing` has the profiler's method (`moe_layer.profile_time`).
-- `peak_mib`: the compiled step's `memory_analysis()` (temporaries + outputs, beyond the arguments: the torch
-  rows' measure, the memory a step adds to what is allocated before it); a step whose compiled need passes
-  the device's free memory is not run (its status says so).
-- `ref_rel_l2` / `ref_check`: relative L2 distance of the output and every gradient to an FP32 reference
-  (the same bf16 inputs and expert choices, every operation in FP32, the experts in chunks; pass <=
-  `moe_layer.REF_TOL`); `bitwise_run_to_run` (outputs and every gradient, two runs).
-- `vs_torch_xkern`: the step's time over the torch xkern step's at the same size and part, read from the
-  torch benchmark's JSON (`--torch-json`, default: the `*-moe-layer*.json` beside `--out`), a separate
-  process run on the same machine (`--add-ratios JAX_JSON --torch-json TORCH_JSON` adds them afterwards).
-
-XLA: `--xla-flags` (default `--xla_gpu_autotune_level=0`) is added to XLA_FLAGS before jax loads: XLA's GEMM
-autotuner once asked for 65 GiB beside torch in one process. The rows record the flags. Results:
-`<out>/<gpu>-jax-moe-layer[-<sizes>].json`, `.md` and `.png`, written after every row.
+Reported per size and path: `us` (`timing.jax_device_us`: the step inside one jitted `fori_loop`, nothing
+hoisted; `profile_us` too, by the profiler), `peak_mib` (the compiled step's `memory_analysis()`; a step
+needing more than the free memory is not run), the FP32 reference check and the bits run to run, as the torch
+rows; `vs_torch_xkern`, the step's time over the torch xkern step's, read from the torch JSON beside `--out`
+(`--add-ratios JAX_JSON --torch-json TORCH_JSON` adds them afterwards). `--xla-flags` (default
+`--xla_gpu_autotune_level=0`: XLA's GEMM autotuner once asked for 65 GiB) is added to XLA_FLAGS before jax
+loads. Results: `<out>/<gpu>-jax-moe-layer[-<sizes>].json` and `.md`, written after every row.
 """
 
 from __future__ import annotations

@@ -1,38 +1,33 @@
 """A MoE layer step in torch, forward + backward, with xkern's dispatch and weighted combine beside the peers' paths.
 
     python -m benchmarks.moe_layer [--sizes deepseek-v3,qwen3-moe] [--tokens N] [--out DIR] [--smoke]
+                                   [--parts P,...] [--paths P,...]
 
-The step: router (x @ W_r, softmax in FP32, top-k, renormalised) -> dispatch -> grouped expert GEMMs
-(SwiGLU: `torch._grouped_mm`, each GEMM's backward making its weight gradient first and letting its input go
-before the input's gradient: `_grouped_linear`) -> weighted combine, then the backward of a fixed cotangent
-into x and every weight. The layout is the padded expert-major one of `generate_permute_indices` (blocks of
-16 rows, the grouped GEMM's alignment), computed on the device: no host sync in the xkern, torchtitan and
-plain paths, so each step is captured in one CUDA graph and timed by its replays (benchmarks/timing.py). The
-JAX step is `benchmarks/jax_moe_layer.py` (a process of its own).
+The step: router (x @ W_r, softmax in FP32, top-k, renormalised) -> dispatch -> SwiGLU experts
+(`torch._grouped_mm`, each GEMM's backward making its weight gradient first and letting its input go before
+the input's gradient: `_grouped_linear`) -> weighted combine, then the backward of a fixed cotangent into x
+and every weight. The layout is the padded expert-major one (16-row blocks, the grouped GEMM's alignment),
+made on the device: no host sync, so each step is one CUDA graph timed by its replays.
 
 Dispatch + combine paths (the rest of the step is the same code):
-- xkern: the layout from the expert ids by `topk_permute_indices` (no sort), `permute_rows(x, idx, top_k=k)`
-  straight from the token rows, `unpermute_rows(y, idx, T * k, top_k=k, probs=p)`: the FP32 weighted sum of
-  the k copies in one kernel; its backward writes dy and dprobs in one kernel (no atomics). The other paths
-  share `layout` (a stable argsort of the ids, their counts, `generate_permute_indices`).
-- torchtitan (its MoE.forward today, single GPU with its padding wrapper): index gather `x[sorted // k]`, the
-  padded gather (`vstack` a zero row, index), the experts, the padded scatter back (`index_put`), the unsort
-  scatter into zeros (deterministic: each index once), then `bmm` of the FP32 scores with the FP32 rows.
+- xkern: `topk_permute_indices` (no sort), `permute_rows(x, idx, top_k=k)` from the token rows,
+  `unpermute_rows(y, idx, T * k, top_k=k, probs=p)`: the FP32 weighted sum of the k copies in one kernel,
+  its backward dy and dprobs in one kernel. The other paths share `layout` (a stable argsort of the ids,
+  their counts, `generate_permute_indices`).
+- torchtitan (its MoE.forward, single GPU with its padding wrapper, restated here): index gather, the padded
+  gather (`vstack` a zero row, index), the experts, the padded scatter back (`index_put`), the unsort scatter
+  into zeros, then `bmm` of the FP32 scores with the FP32 rows.
 - plain: `repeat_interleave` + `index_select`, multiply by the weights in the rows' dtype, `index_add_`.
-- liger: Liger-Kernel's `LigerFusedMoEFunction` (liger_kernel/ops/fused_moe.py): its own routing metadata
-  (one host read of the tile count per step, so its step cannot be one CUDA graph: timed eagerly, the row
-  says so), the gather fused into the up-projection's loads, its own grouped GEMMs, a weighted-sum kernel;
-  its backward recomputes through the down projection and adds dprobs with atomics. The experts are
-  inside it, so it has no dispatch + combine row. On CPU its kernels do not run under Triton's interpreter
-  (`liger_status`): the row says skipped.
+- liger: Liger-Kernel's `LigerFusedMoEFunction`: its own routing metadata (one host read per step, so it is
+  timed eagerly), the gather fused into its up-projection, its own grouped GEMMs and weighted sum. No
+  dispatch + combine row (the experts are inside it); on CPU its kernels do not run under Triton's
+  interpreter (the row says skipped).
 
-Reported per size and path: the whole step's device time, dispatch + combine alone (forward + backward with
-identity experts), peak memory of one eager step above what was allocated before it, the output's and every
-gradient's relative L2 distance to an FP32 reference (`reference_errors`: the same bf16 inputs and expert
-choices, every operation in FP32; pass when within `REF_TOL`), the output's difference to torchtitan's, and
-whether two runs give the same bits (outputs and every gradient). Results: `<out>/<gpu>-moe-layer[-<sizes>]
-.json`, `.md` and `.png` (bars per path; `-<sizes>` when --sizes picks a subset, so two calls with one size
-each keep both).
+Reported per size and path: the whole step's device time, dispatch + combine alone (identity experts), peak
+memory of one eager step above what was allocated before it, the relative L2 distance of the output and every
+gradient to an FP32 reference (`reference_errors`; pass within `REF_TOL`), the output's difference to
+torchtitan's, and whether two runs give the same bits. Results: `<out>/<gpu>-moe-layer[-<sizes>].json` and
+`.md`; `--parts` / `--paths` measure some rows again, keeping the file's others.
 """
 
 from __future__ import annotations

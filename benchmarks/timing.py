@@ -1,35 +1,20 @@
-"""How the benchmarks time things: the copy ceiling, device time of torch work, device time of JAX work,
-and host overhead per call.
+"""How the benchmarks time things: the copy ceiling, device time of torch and JAX work, host time per call.
 
-- One device-time method for both frameworks (`profile_device_us`; the xkern torch and JAX rows, every JAX
-  row, and the JAX / torch ratio): the calls of a pass, one per rotated input set, launched from the host,
-  each framework's call on its own (torch: eager; JAX: one jitted call per input set, so XLA cannot fuse one
-  call's outputs into the next call or skip work whose result is returned), under `torch.profiler` with
-  CUDA activities. CUPTI records every GPU activity of the process, XLA's kernels included. Before each
-  round of calls a Triton kernel of its own name (`_l2_flush_kernel`) writes `L2_BYTES` (the L2 state of
-  triton's do_bench), the device is synchronized, the calls are issued, the device is synchronized again;
-  per round, the durations of every kernel, memset and copy after the flush are summed, and the median
-  round is divided by the number of calls. Host launch gaps are not counted: this is the device's own time,
-  per kernel (`kernels` lists them). Kernels that overlap (several streams) would be counted twice.
+- `profile_device_us`, one device-time method for both frameworks (xkern's torch and JAX rows, every JAX row,
+  the JAX / torch ratio): the calls of a pass, one per rotated input set, each launched on its own (torch
+  eager; JAX one jitted call per input set), in rounds under `torch.profiler` with CUDA activities (CUPTI
+  records XLA's kernels too). Each round: a kernel of its own name (`_l2_flush_kernel`) writes `L2_BYTES`,
+  the device is synchronized, the calls run, the device is synchronized; the round's kernels, memsets and
+  copies after the flush are summed, and the median round over the calls is the time per call.
+- `torch_device_us` (the torch rows' `us`): the pass's calls captured in one CUDA graph, its replays timed by
+  `triton.testing.do_bench` (median, L2 flushed before each replay); where capture fails, the eager calls
+  timed the same way and the row says so.
+- `jax_device_us` (the JAX MoE layer step): `n` steps inside one jitted `lax.fori_loop` (two per iteration,
+  so XLA needs no copy of the carry), host wall time over the steps, median of a few.
+- Inputs: a shape whose working set fits in L2 is run over several input sets in turn (`n_sets`).
 
-Smoke mode (`set_smoke(True)`; always without a CUDA GPU) runs every timed path through the same code a
-few times, marked as not a measurement: on CPU each call runs once (no CUDA graphs), on a GPU the graphs
-are captured and replayed under a short do_bench.
-
-- torch, `torch_device_us` (the torch peers' rows; xkern (torch)'s `us`, beside its `profile_us`): the
-  calls of one pass (one per rotated input set) are captured in one CUDA graph, and the graph's replays
-  are timed by `triton.testing.do_bench` (CUDA events, L2 flushed before each replay, median). That is
-  device time with no host launch gaps, autograd's included. If capture fails the eager calls are timed
-  the same way and the row's `timing` says so.
-- JAX, `jax_device_us` (the JAX MoE layer step): `n` calls of the pass run inside one jitted
-  `lax.fori_loop` (two per iteration, so that XLA needs no copy of the carry) whose carry feeds each
-  output into the next call's input (nothing can be hoisted); host wall time of the whole call, median of
-  a few, divided by the number of calls. `n` is static, so XLA knows the trip count (and need not read the
-  loop predicate back to the host each iteration); the per-call dispatch (~50 us) is spread over a ~50 ms
-  run. Host wall time: where the host issues kernels slower than the device runs them (small shapes), it
-  measures the host, and XLA may fuse one call's output into the next call.
-- Inputs: a shape whose working set fits in L2 is run over several input sets in turn (`n_sets`), so each
-  call reads its inputs from HBM.
+Smoke mode (`set_smoke(True)`; always without a CUDA GPU) runs every timed path through the same code a few
+times, marked as not a measurement.
 """
 
 from __future__ import annotations
