@@ -8,15 +8,13 @@
 
 With a CUDA GPU: the copy ceiling, the host cost per call of every torch op (`benchmarks/host.py`), then
 every case of every op (`benchmarks/runner.py`: each xkern result checked before it is timed). Writes
-`DIR/<gpu>.json` (all the data, stamped with the commit and date), `<gpu>.md` (every table) and the plots
-generated from it, and prints the tables last. DIR defaults to `benchmarks/results/<gpu>/` (`<gpu>` the GPU
-kind, e.g. `nvidia-h200`: one current set per kind, older sets left to git history); a run there also
-refreshes README's benchmarks section. `--sweep`: the
-RMSNorm width sweep instead, into `<gpu>-sweep.json` (about 12 minutes on an H200: run it as `--part 1/2`
-and `--part 2/2` in two calls, then `python -m benchmarks.report --merge`; `--widths`: only those widths,
-into `<gpu>-sweep-w<widths>.json`, to re-measure a plan change with every peer in one short call). `--host`: the
-host-cost table alone, into `<gpu>-host.json` (about 2 minutes: a quick look after a change to
-the call path).
+`DIR/<gpu>.json` (all the data, stamped with the commit and date), `<gpu>.md` (every table) and the plots,
+and prints the tables last. DIR defaults to `benchmarks/results/<gpu>/` (`<gpu>` the GPU kind, e.g.
+`nvidia-h200`), and a run there also refreshes README's benchmarks section. `--sweep`: the RMSNorm width
+sweep instead, into `<gpu>-sweep.json` (about 11 minutes on an H200; `--widths`: only those widths, into
+`<gpu>-sweep-w<widths>.json`, to re-measure a plan change with every peer). `--host`: the host-cost
+table alone, into `<gpu>-host.json` (about a minute: before and after a change to a front end's call path).
+`--part K/N`: every N-th case from the K-th (`python -m benchmarks.report --merge` joins the parts).
 
 Without a GPU (Triton's interpreter): the same code at CPU sizes. The cases are the validation shapes, one
 per kernel plan regime, checked against the FP64 oracle with torch == JAX bit for bit, and every timed
