@@ -72,6 +72,21 @@ def test_main_counts_the_ptxas_routers_calls(tmp_path):
     assert ptxas_calls(str(log)) == {"triton 88": 2, "jaxlib 90": 1, "jaxlib ": 1}
 
 
+def test_readme_section_is_what_the_report_writes_from_the_results(tmp_path):
+    """README's benchmarks section is `python -m benchmarks.report`'s from the committed result sets: the CLI
+    rewrites only what lies between the markers, and the committed section has nothing else."""
+    from benchmarks import report
+
+    readme = (ROOT / "README.md").read_text()
+    copy = tmp_path / "README.md"
+    copy.write_text(readme.replace(report.BEGIN, report.BEGIN + "\nstale").replace(report.END, "stale\n" + report.END))
+    assert report.main(["--readme", str(copy), "--no-plots"]) == 0
+    written = copy.read_text()
+    assert "stale" not in written and written.split(report.END)[1] == readme.split(report.END)[1]
+    # links are relative to the README's folder: the repository's own section, written for it
+    assert readme.split(report.BEGIN)[1].split(report.END)[0] == f"\n## Benchmarks\n\n{report.body(str(ROOT))}"
+
+
 def test_readme_jax_column_times_both_front_ends_one_way(tmp_path):
     """README's "slowest JAX against torch" is torch's profiler time over JAX's where both rows have one (the
     torch row's own time is a CUDA graph's, another method), else the two rows' fractions of the ceiling."""
