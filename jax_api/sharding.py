@@ -38,7 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_api._launch import call, host_custom_call, vary_like, varying
@@ -75,15 +75,91 @@ def per_shard(fn):
 
 
 def partitioned(body, partition, rule: str, **factors):
+    """`body` partitioned by `partition` (custom_partitioning's callback) under jit, with the Shardy `rule`;
+    under an explicit mesh the same callback's per-shard function runs in a shard_map (`explicit`)."""
     op = custom_partitioning(lambda *args: body(*args))  # positional only: body may be a partial with keywords
     op.def_partition(partition=partition, sharding_rule=rule, **factors)
 
     def apply(*args):
         if any(varying(a) for a in args):  # inside shard_map: already one shard
             return body(*args)
+        mesh = explicit_mesh(args)
+        if mesh is not None:
+            return explicit(mesh, body, partition, rule, args)
         return op(*args)
 
     return apply
+
+
+# ---------------------------------------------------------------------------------------------------
+# Explicit meshes (sharding in types)
+#
+# Under a mesh with Explicit axes (jax.make_mesh's default) the sharding is part of each array's type and
+# jit does not propagate it: an op's result type comes from its inputs' types. custom_partitioning has no
+# say there (its outputs would be typed replicated), so the op runs as a shard_map over the explicit axes
+# with the same per-shard function and specs the partition callback chooses under jit. The result then
+# gets the type the rule's factors give it, as a jnp expression's would: an output dim sharded like the
+# input dims of its factor (`rule_specs`); where the callback computed it otherwise (a hidden dim gathered
+# for a variant without width-sharded kernels), a reshard makes it so (a local slice, no collective).
+
+
+def explicit_mesh(args):
+    """The mesh of the first argument whose type names a mesh with Explicit axes, else None."""
+    for a in args:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def explicit(mesh, body, partition, rule: str, args):
+    """`body(*args)` on an explicit mesh: the partition callback's per-shard function in a shard_map."""
+    axes = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+    arg_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, _type_spec(a))) for a in args]
+    result = jax.eval_shape(body, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+    result = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype), result)
+    _, fn, out_shardings, arg_shardings = partition(mesh, arg_shapes, result)
+    in_specs = tuple(s.spec for s in arg_shardings)
+    out_specs = jax.tree.map(lambda s: s.spec, out_shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    args = [jax.sharding.reshard(a, spec) for a, spec in zip(args, in_specs)]
+    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes,
+                        check_vma=False)(*args)
+    single = not isinstance(out, (tuple, list))
+    outs = [out] if single else list(out)
+    wanted = rule_specs(rule, [_type_spec(a) for a in arg_shapes], [o.ndim for o in outs])
+    outs = [o if _same(_type_spec(o), spec) else jax.sharding.reshard(o, spec) for o, spec in zip(outs, wanted)]
+    return outs[0] if single else type(out)(outs)
+
+
+def _type_spec(a) -> P:
+    sharding = a.sharding if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a).sharding
+    spec = tuple(sharding.spec) if sharding is not None else ()
+    return P(*spec, *([None] * (len(a.shape) - len(spec))))
+
+
+def _same(a: P, b: P) -> bool:
+    norm = lambda s: [(e,) if isinstance(e, str) else tuple(e or ()) for e in s]  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def rule_specs(rule: str, in_specs, out_ranks) -> list[P]:
+    """The output specs a Shardy-style `rule` ("s k, e k n, e -> s n") gives: each output dim sharded over
+    the mesh axes of the first input dim of its factor, less axes an earlier dim of that output took."""
+    ins, outs = (part.split(",") for part in rule.split("->"))
+    axes_of = {}
+    for factors, spec in zip(ins, in_specs):
+        for f, entry in zip(factors.split(), spec):
+            if entry is not None and f not in axes_of:
+                axes_of[f] = (entry,) if isinstance(entry, str) else tuple(entry)
+    specs = []
+    for factors, rank in zip(outs, out_ranks):
+        taken, dims = set(), []
+        for f in factors.split()[:rank]:
+            mine = tuple(a for a in axes_of.get(f, ()) if a not in taken)
+            taken.update(mine)
+            dims.append(mine[0] if len(mine) == 1 else (mine or None))
+        specs.append(P(*dims))
+    return specs
 
 
 def factor_names(n: int, prefix: str = "r") -> list[str]:
