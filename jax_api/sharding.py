@@ -389,41 +389,122 @@ def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ..
 
 @functools.cache
 def grouped_rows(body, transposed: bool):
-    """out = body(a, w, offs): the grouped GEMM's rows kernel, a [S, K] @ w[e] [K, N] -> [S, N] (transposed: a
-    [S, N] @ w[e].T -> [S, K], the x gradient), offs [E] the global cumulative ends of the experts' rows. Each
-    device computes its rows (a's row sharding) on its output columns (w's N, or transposed its K, sharding),
-    its offsets counted from its first row and clipped to its rows (`_local_offsets`): no communication but the
-    all-gather of a sharded contracted dim or expert dim. Bitwise one device's result."""
-    rule = "s n, e k n, e -> s k" if transposed else "s k, e k n, e -> s n"
+    """out = body(a, w, offs[, out_dtype]): the grouped GEMM's rows kernel, a [S, K] @ w[e] [K, N] -> [S, N]
+    (transposed: a [S, N] @ w[e].T -> [S, K], the x gradient), offs [E] the global cumulative ends of the
+    experts' rows, the result in `out_dtype` (default a's). Megatron's rules, from w's sharding:
+    - output columns (w's N, transposed its K) sharded: each device computes its columns, no communication;
+    - the contracted dim sharded (row parallel): each device multiplies its slice of a and w into an FP32
+      partial product, then one FP32 psum over those axes, rounded once to a's dtype;
+    - experts sharded: each device computes the rows of its experts (`_expert_rows`), zeros elsewhere, then
+      one psum over the expert axes (each row has one nonzero term: exact).
+    Rows split like a's (its offsets counted from its first row, `_local_offsets`). The weight is never
+    gathered: offs (int32 [E]) is. Bitwise one device's result, but for a sharded contracted dim (the sum
+    over K reassociated: within the FP32 contract)."""
+    c_dim, o_dim = (2, 1) if transposed else (1, 2)  # w's contracted and output dims
 
     def partition(mesh, arg_shapes, result_shape):
-        cols = dim_axes(arg_shapes[1])[1 if transposed else 2]
-        rows = _split_rows(mesh, arg_shapes[0], result_shape, cols)
-        local_rows = result_shape.shape[0] // _size(mesh, rows)
+        a_dims, w_dims = dim_axes(arg_shapes[0]), dim_axes(arg_shapes[1])
+        w_shape = arg_shapes[1].shape
+        experts = _even(mesh, w_dims[0], w_shape[0])
+        inner = _even(mesh, _without(w_dims[c_dim] or a_dims[1], experts), w_shape[c_dim])
+        cols = _even(mesh, _without(w_dims[o_dim], experts + inner), w_shape[o_dim])
+        rows = _split_rows(mesh, arg_shapes[0], result_shape, experts + inner + cols)
+        n_slots = result_shape.shape[0]
+        local_rows = n_slots // _size(mesh, rows)
 
         def fn(a, w, offs):
-            return body(a, w, _local_offsets(offs, rows, local_rows))
+            if not (experts or inner):
+                return body(a, w, _local_offsets(offs, rows, local_rows))
+            out_dtype = jnp.float32 if inner else a.dtype  # row parallel: FP32 partial products
+            if experts:
+                y = _expert_rows(body, a, w, offs, experts, rows, local_rows, n_slots, out_dtype)
+            else:
+                y = body(a, w, _local_offsets(offs, rows, local_rows), out_dtype)
+            return jax.lax.psum(y, experts + inner).astype(a.dtype)
 
-        w_dims = [(), cols, ()] if transposed else [(), (), cols]
+        w_spec = [experts, (), ()]
+        w_spec[c_dim], w_spec[o_dim] = inner, cols
         return (mesh, per_shard(fn), named_sharding(mesh, [rows, cols]),
-                (named_sharding(mesh, [rows, ()]), named_sharding(mesh, w_dims), named_sharding(mesh, [()])))
+                (named_sharding(mesh, [rows, inner]), named_sharding(mesh, w_spec), named_sharding(mesh, [()])))
 
-    return partitioned(body, partition, rule, need_replication_factors=("n" if transposed else "k", "e"))
+    rule = "s n, e k n, e -> s k" if transposed else "s k, e k n, e -> s n"
+    return partitioned(lambda a, w, offs: body(a, w, offs), partition, rule)
 
 
 @functools.cache
 def grouped_dw(body):
-    """dw = body(x, dy, offs): dw[e] = x_e.T @ dy_e, [E, K, N]. Each device computes its (K, N) block of every
-    expert (x's column sharding, dy's column sharding) over all the rows: sharded rows are all-gathered, so each
-    element is still one program's FP32 sum in one order (bitwise one device's)."""
+    """dw = body(x, dy, offs): dw[e] = x_e.T @ dy_e, [E, K, N]. Each device computes its (K, N) block (x's K
+    sharding, dy's N sharding) of its experts (offs' sharding, which `expert_offsets` gives w's; or the
+    result's) over all the rows: sharded rows are all-gathered (activations, never the weight), so each
+    element is still one program's FP32 sum in one order (bitwise one device's), and dw is sharded like w."""
 
     def partition(mesh, arg_shapes, result_shape):
-        k = dim_axes(arg_shapes[0])[1]
-        n = _without(dim_axes(arg_shapes[1])[1], k)
-        return (mesh, per_shard(body), named_sharding(mesh, [(), k, n]),
+        out_dims = dim_axes(result_shape)
+        n_experts, n_inner, n_cols = result_shape.shape
+        experts = _even(mesh, dim_axes(arg_shapes[2])[0] or out_dims[0], n_experts)
+        k = _even(mesh, _without(dim_axes(arg_shapes[0])[1] or out_dims[1], experts), n_inner)
+        n = _even(mesh, _without(dim_axes(arg_shapes[1])[1] or out_dims[2], experts + k), n_cols)
+        n_slots = arg_shapes[0].shape[0]
+
+        def fn(x, dy, offs):
+            if not experts:
+                return body(x, dy, offs)
+            local, shift = _expert_block(offs, experts, n_experts // _size(mesh, experts), (), n_slots, n_slots)
+            return body(jnp.roll(x, -shift, 0), jnp.roll(dy, -shift, 0), local)
+
+        return (mesh, per_shard(fn), named_sharding(mesh, [experts, k, n]),
                 (named_sharding(mesh, [(), k]), named_sharding(mesh, [(), n]), named_sharding(mesh, [()])))
 
-    return partitioned(body, partition, "s k, s n, e -> e k n", need_replication_factors=("s", "e"))
+    return partitioned(body, partition, "s k, s n, e -> e k n", need_replication_factors=("s",))
+
+
+@functools.cache
+def _offsets_like():
+    """offs [E] returned sharded like w [E, K, N]'s experts (values unchanged)."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        experts = _even(mesh, dim_axes(arg_shapes[1])[0], arg_shapes[1].shape[0])
+        return (mesh, per_shard(lambda offs, w: offs), named_sharding(mesh, [experts]),
+                (named_sharding(mesh, [experts]), named_sharding(mesh, dim_axes(arg_shapes[1]))))
+
+    return partitioned(lambda offs, w: offs, partition, "e, e k n -> e")
+
+
+def expert_offsets(offs, w):
+    """grouped_mm's offsets, sharded like w's experts under sharded jit (an explicit mesh's types, or the
+    partitioner's choice): the weight gradient then reads which experts are this device's from them."""
+    mesh = explicit_mesh([w])
+    if mesh is not None:
+        spec = _type_spec(w)[0]
+        return offs if _same(_type_spec(offs)[:1], P(spec)) else jax.sharding.reshard(offs, P(spec))
+    if varying(w) or varying(offs) or jax.device_count() == 1:  # a shard already, or nothing to split
+        return offs
+    return _offsets_like()(offs, jax.lax.stop_gradient(w))  # w only lends its sharding
+
+
+def _expert_rows(body, a, w, offs, experts, rows, local_rows: int, n_slots: int, out_dtype):
+    """The rows of this device's experts (w [E / shards, ...], its block of them), zeros elsewhere: a rolled up
+    so that their first row is row 0 (the kernel's first expert starts there), multiplied, and rolled back."""
+    local, shift = _expert_block(offs, experts, w.shape[0], rows, local_rows, n_slots)
+    return jnp.roll(body(jnp.roll(a, -shift, 0), w, local, out_dtype), shift, 0)
+
+
+def _expert_block(offs, experts, n_local: int, rows, local_rows: int, n_slots: int):
+    """(the cumulative ends of this device's experts counted from their first row, that row), both within this
+    device's rows (`rows` axes, `local_rows` each; offsets clamped as the kernel clamps them)."""
+    offs = jnp.clip(offs, 0, n_slots)
+    first = jax.lax.axis_index(experts) * n_local
+    ends = jax.lax.dynamic_slice_in_dim(offs, first, n_local)
+    start = jnp.where(first > 0, offs[jnp.maximum(first - 1, 0)], 0)
+    row0 = jax.lax.axis_index(rows) * local_rows if rows else 0
+    start = jnp.clip(start - row0, 0, local_rows).astype(offs.dtype)
+    ends = jnp.clip(ends - row0, 0, local_rows).astype(offs.dtype)
+    return ends - start, start
+
+
+def _even(mesh, axes, size: int) -> tuple[str, ...]:
+    """`axes` where they split `size` evenly, else () (the dim then stays whole)."""
+    return axes if size % _size(mesh, axes) == 0 else ()
 
 
 def _local_offsets(offs, axes, local_rows: int):
