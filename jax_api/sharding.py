@@ -112,6 +112,14 @@ def explicit_mesh(args):
     return None
 
 
+def rows_like(x):
+    """x's first column [rows, 1], split like x's rows. Under an explicit mesh zeros typed so (their values
+    are not read; slicing a split hidden dim is refused there)."""
+    if explicit_mesh([x]) is None:
+        return x[:, :1]
+    return jnp.zeros((x.shape[0], 1), x.dtype, out_sharding=P(_type_spec(x)[0], None))
+
+
 def explicit(mesh, body, partition, rule: str, args):
     """`body(*args)` on an explicit mesh: the partition callback's per-shard function in a shard_map."""
     axes = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
