@@ -468,14 +468,21 @@ def grouped_dw(body):
 
 @functools.cache
 def _offsets_like():
-    """offs [E] returned sharded like w [E, K, N]'s experts (values unchanged)."""
+    """offs [E] returned sharded like w [E, K, N]'s experts (values unchanged); under vmap, offs as it is."""
 
     def partition(mesh, arg_shapes, result_shape):
         experts = _even(mesh, dim_axes(arg_shapes[1])[0], arg_shapes[1].shape[0])
         return (mesh, per_shard(lambda offs, w: offs), named_sharding(mesh, [experts]),
                 (named_sharding(mesh, [experts]), named_sharding(mesh, dim_axes(arg_shapes[1]))))
 
-    return partitioned(lambda offs, w: offs, partition, "e, e k n -> e")
+    like = partitioned(lambda offs, w: offs, partition, "e, e k n -> e")
+
+    @jax.custom_batching.custom_vmap
+    def op(offs, w):
+        return like(offs, w)
+
+    op.def_vmap(lambda axis_size, in_batched, offs, w: (offs, in_batched[0]))
+    return op
 
 
 def expert_offsets(offs, w):
