@@ -32,13 +32,14 @@ each device's (K, N) block over all the rows. A sharded contracted dim is all-ga
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_api._launch import call, host_custom_call, vary_like, varying
@@ -115,13 +116,34 @@ def explicit_mesh(args):
 def rows_like(x):
     """x's first column [rows, 1], split like x's rows. Under an explicit mesh zeros typed so (their values
     are not read; slicing a split hidden dim is refused there)."""
-    if explicit_mesh([x]) is None:
+    mesh = explicit_mesh([x])
+    if mesh is None:
         return x[:, :1]
-    return jnp.zeros((x.shape[0], 1), x.dtype, out_sharding=P(_type_spec(x)[0], None))
+    with _mesh_context(mesh, [x]):
+        return jnp.zeros((x.shape[0], 1), x.dtype, out_sharding=P(_type_spec(x)[0], None))
 
 
 def explicit(mesh, body, partition, rule: str, args):
     """`body(*args)` on an explicit mesh: the partition callback's per-shard function in a shard_map."""
+    with _mesh_context(mesh, args):
+        return _explicit(mesh, body, partition, rule, args)
+
+
+def _mesh_context(mesh, args):
+    """The arguments' mesh as the context mesh where none is set (typed arrays used outside `jax.set_mesh`):
+    a concrete array's own mesh, else (tracing) the abstract one."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        for a in args:
+            sharding = getattr(a, "sharding", None)
+            if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+                with contextlib.suppress(ValueError):  # refused inside jit (constants traced there)
+                    return jax.set_mesh(sharding.mesh)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _explicit(mesh, body, partition, rule: str, args):
     axes = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
     arg_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, _type_spec(a))) for a in args]
     result = jax.eval_shape(body, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
@@ -491,7 +513,10 @@ def expert_offsets(offs, w):
     mesh = explicit_mesh([w])
     if mesh is not None:
         spec = _type_spec(w)[0]
-        return offs if _same(_type_spec(offs)[:1], P(spec)) else jax.sharding.reshard(offs, P(spec))
+        if _same(_type_spec(offs)[:1], P(spec)):
+            return offs
+        with _mesh_context(mesh, [w, offs]):
+            return jax.sharding.reshard(offs, P(spec))
     if varying(w) or varying(offs) or jax.device_count() == 1:  # a shard already, or nothing to split
         return offs
     return _offsets_like()(offs, jax.lax.stop_gradient(w))  # w only lends its sharding
