@@ -1,8 +1,10 @@
-"""SPMD partitioning of the jax_api ops under `jax.jit`: sharded inputs stay sharded.
+"""SPMD partitioning of the jax_api ops under `jax.jit` and explicit meshes: sharded inputs stay sharded.
 
-Every kernel call of the ops goes through a `jax.experimental.custom_partitioning` function with a Shardy
-`sharding_rule` (propagation) and a `partition` callback (what each device runs). On one device, and
-inside `shard_map` (where the arrays already are per-shard), the plain single-device function runs.
+Every kernel call of the ops goes through `partitioned`: a `jax.experimental.custom_partitioning` function with
+a Shardy `sharding_rule` (propagation) and a `partition` callback (what each device runs). Under a mesh with
+Explicit axes (sharding in types: `jax.make_mesh`'s default), the same callback's per-shard function runs in a
+`jax.shard_map` and the results are typed as the rule's factors give them (`explicit`), eager and under jit.
+On one device, and inside `shard_map` (where the arrays already are per-shard), the plain function runs.
 
 RMSNorm, x [..., N] with any leading dims sharded over any mesh axes (every variant, with or without a
 weight; the width-sharded kernels compute the Llama math with a weight, the others gather a sharded width):
@@ -25,9 +27,13 @@ dprobs takes one FP32 all-reduce of [T, top_k] over the slot and hidden axes (ea
 term; with H sharded, the devices' column sums). Results are bitwise one device's, but for dprobs with a
 sharded H (within the FP32 contract). The index ops read all-gathered indices or counts:
 inverse_permutation's rows split like its output's users, generate_permute_indices runs replicated.
-The grouped GEMM (grouped_mm) [S, K] x [E, K, N]: each device computes its rows (x's row sharding, the
-offsets counted from its first row) on its output columns (w's sharding of them); its weight gradient
-each device's (K, N) block over all the rows. A sharded contracted dim is all-gathered. Bitwise one device's.
+The grouped GEMM (grouped_mm) [S, K] x [E, K, N], Megatron's rules from w's sharding (never gathered): each
+device computes its rows (x's row sharding, the offsets counted from its first row) on its output columns (w's
+sharding of them); a sharded contracted dim (row parallel, or dy @ w.T under a column-parallel w) gives FP32
+partial products and one FP32 psum; sharded experts give each device its experts' rows (one psum, exact) and
+their weight gradient (the offsets carry w's expert sharding to it, `expert_offsets`); the weight gradient is
+each device's (K, N) block over all the rows. Bitwise one device's but for a split contracted dim (the FP32
+contract).
 """
 
 from __future__ import annotations
