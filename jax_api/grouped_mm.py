@@ -102,8 +102,8 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
     (concrete offsets) checks that; unchecked offsets are clamped to [0, S]. Differentiable in x and w, to any
     order: dx[r] = dy[r] @ w[e].T (zero rows past the last offset), dw[e] = x_e.T @ dy_e (zeros for an expert
     without rows), each summed in FP32 by one program (the same bits run to run). Sharded jit: each device
-    computes its rows on its columns of the output; a split K (row parallel) psums FP32 partial products once; split
-experts compute their own rows and weight gradient; the weight is never gathered (docs/sharding.md)."""
+    computes its rows on its columns of the output; a split K (row parallel) psums FP32 partial products once;
+    split experts compute their own rows and weight gradient; the weight is never gathered (docs/sharding.md)."""
     for name, a in (("x", x), ("w", w), ("m_offsets", m_offsets)):
         check_array(name, a)
     contract.check_grouped_mm(x.dtype.name, tuple(x.shape), w.dtype.name, tuple(w.shape), m_offsets.dtype.name,
