@@ -45,10 +45,15 @@ DEFAULT = {"rms_norm rows and width", "permute and combine", "gemm explicit data
 
 
 @functools.cache
-def _report() -> dict:
+def _report(gpus: bool = False) -> dict:
+    """4 CPU devices (the interpreter), or with `gpus` the first 4 GPUs (compiled kernels, jax-triton)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}", JAX_PLATFORMS="cpu",
-               TRITON_INTERPRET="1", PYTHONPATH=path)
+    if gpus:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
+        env.update(PYTHONPATH=path, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    else:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}", JAX_PLATFORMS="cpu",
+                   TRITON_INTERPRET="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, __file__, *_selected], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
@@ -64,6 +69,43 @@ def test_explicit_sharding(case, request):
         _selected.extend(item.callspec.params["case"] for item in request.session.items
                          if item.originalname == "test_explicit_sharding")
     assert _report()[case] == "ok"
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif("_gpu_count() < 4", reason="needs 4 or more GPUs")
+@pytest.mark.parametrize("case", CASES)
+def test_explicit_sharding_gpus(case):
+    _selected[:] = CASES
+    assert _report(gpus=True)[case] == "ok"
+
+
+@pytest.mark.sm90_static  # conftest.py: CPU CI runs it, a GPU run skips it
+def test_row_parallel_partials_compile_for_sm90():
+    """A split contracted dim stores the grouped GEMM's FP32 accumulator unrounded (16-bit inputs, an FP32 Y):
+    a variant xkern.compile_check's list does not hold. Compiled for sm_90 here (no GPU needed): each 16-bit
+    dtype, both weight layouts (forward and dx), both sides of the inner dim's stage switch."""
+    code = """
+import triton
+from xkern.compile_check import TARGET, source
+from xkern.grouped_mm import plan_grouped_mm
+for dtype, ptr in (("bfloat16", "*bf16"), ("float16", "*fp16")):
+    for n_inner, n_cols in ((256, 512), (8192, 512)):
+        for strides in ((n_inner * n_cols, n_cols, 1), (n_inner * n_cols, 1, n_inner)):
+            plan = plan_grouped_mm(8192, n_inner, n_cols, 8, dtype, n_inner, strides)
+            kernel = triton.compile(source(plan, {"X": ptr, "W": ptr, "OFFS": "*i32", "Y": "*fp32"}), target=TARGET,
+                                    options={"num_warps": plan.num_warps, "num_stages": plan.num_stages})
+            assert "cubin" in kernel.asm
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,7 +124,8 @@ def _check(cases: list[str]) -> dict:
     import jax_api
     from xkern import reference as R
 
-    assert len(jax.devices()) == N_DEVICES, jax.devices()
+    devices = jax.devices()[:N_DEVICES]  # CPU: exactly these; GPU: the first 4
+    assert len(devices) == N_DEVICES, jax.devices()
     rng = np.random.default_rng(7)
     report = {}
     eps = 1e-6
@@ -127,7 +170,7 @@ def _check(cases: list[str]) -> dict:
         x32 = x.astype(jnp.float32)
         return w * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
 
-    mesh = jax.make_mesh((2, 2), ("data", "model"))  # Explicit axes: the default
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=devices)  # Explicit axes: the default
     assert set(mesh.axis_types) == {AxisType.Explicit}, mesh.axis_types
 
     def norm_case(x_spec, w_spec):
@@ -290,7 +333,7 @@ def _check(cases: list[str]) -> dict:
         the forward, dw sharded like w, values one device's (bitwise, or the FP32 contract where K or N is the
         contracted dim and split)."""
         types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * len(names)
-        gmesh = jax.make_mesh(mesh_shape, names, axis_types=types)
+        gmesh = jax.make_mesh(mesh_shape, names, axis_types=types, devices=devices)
         offs0 = np.cumsum([9, 0, 14, 5]).astype(np.int32)  # an empty expert; slots 28..31 the zero tail
         x0, dy0 = rng.standard_normal((32, 16)).astype(R.BF16), rng.standard_normal((32, 24)).astype(R.BF16)
         w0 = (rng.standard_normal((4, 16, 24)) / 4).astype(R.BF16)
