@@ -353,6 +353,10 @@ def _check(cases: list[str]) -> dict:
             f = jax.jit(step, out_shardings=None if mode == "explicit" else (None, x_sh, w_sh))
             (f, step_ops), (fwd, fwd_ops) = compiled(f, *args), compiled(fwd, *args[:3])
             got, y = f(*args), fwd(*args[:3])
+            if mode == "explicit":  # eager: typed as under jit, the same bits
+                eager = jax_api.grouped_mm(*args[:3])
+                assert str(jax.typeof(eager)) == str(jax.typeof(y)), (jax.typeof(eager), jax.typeof(y))
+                same(eager, y, "y (eager)")
         weight_gathers = [c for c in fwd_ops + step_ops if c[0] == "all-gather" and c[1].count(",") >= 2]
         assert not weight_gathers, f"a weight all-gathered: {weight_gathers}"
         assert not [c for c in fwd_ops if c[0] == "all-gather" and not c[1].startswith("s32")], fwd_ops
