@@ -9,27 +9,40 @@ F(a, H). The offsets are an integer input: their cotangent is None (symbolic zer
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, concrete, execute, map_batched, vary_like
 from xkern import grouped_mm as contract
 
 
-def _rows_kernel(a, w, offs):
+def _rows_kernel(a, w, offs, out_dtype=None):
     (n_slots, n_inner), (n_experts, _, n_cols) = a.shape, w.shape
     strides = (n_inner * n_cols, n_cols, 1)
     recipe = contract.grouped_mm_recipe(n_slots, n_inner, n_cols, n_experts, a.dtype.name, n_inner, strides)
-    return execute(recipe, x=a, w=w, offs=offs)[0]
+    return execute(_output_dtype(recipe, out_dtype), x=a, w=w, offs=offs)[0]
 
 
-def _dx_kernel(g, w, offs):
+def _dx_kernel(g, w, offs, out_dtype=None):
     (n_slots, n_cols), (n_experts, n_inner, _) = g.shape, w.shape
     strides = (n_inner * n_cols, n_cols, 1)
     recipe = contract.grouped_mm_dx_recipe(n_slots, n_inner, n_cols, n_experts, g.dtype.name, n_cols, strides)
-    return execute(recipe, dy=g, w=w, offs=offs)[0]
+    return execute(_output_dtype(recipe, out_dtype), dy=g, w=w, offs=offs)[0]
+
+
+def _output_dtype(recipe, dtype):
+    """The rows kernel's recipe with its result in `dtype` (None: as planned): a row-parallel shard's FP32
+    partial product (jax_api/sharding.py), the kernel's FP32 accumulator stored unrounded."""
+    if dtype is None:
+        return recipe
+    (step,) = recipe.steps
+    (out,) = step.outputs
+    step = dataclasses.replace(step, outputs=(dataclasses.replace(out, dtype=jnp.dtype(dtype).name),))
+    return dataclasses.replace(recipe, steps=(step,))
 
 
 def _dw_kernel(a, b, offs):
@@ -89,11 +102,12 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
     (concrete offsets) checks that; unchecked offsets are clamped to [0, S]. Differentiable in x and w, to any
     order: dx[r] = dy[r] @ w[e].T (zero rows past the last offset), dw[e] = x_e.T @ dy_e (zeros for an expert
     without rows), each summed in FP32 by one program (the same bits run to run). Sharded jit: each device
-    computes its rows on its columns of the output (docs/sharding.md)."""
+    computes its rows on its columns of the output; a split K (row parallel) psums FP32 partial products once;
+    split experts compute their own rows and weight gradient; the weight is never gathered (docs/sharding.md)."""
     for name, a in (("x", x), ("w", w), ("m_offsets", m_offsets)):
         check_array(name, a)
     contract.check_grouped_mm(x.dtype.name, tuple(x.shape), w.dtype.name, tuple(w.shape), m_offsets.dtype.name,
                               tuple(m_offsets.shape))
     if validate:
         contract.check_offsets(concrete("m_offsets", m_offsets), x.shape[0])
-    return _fwd(x, w, m_offsets)
+    return _fwd(x, w, sharding.expert_offsets(m_offsets, w))

@@ -56,7 +56,7 @@ def _inverse(idx, num_rows: int, like):
 def _rows_like(x):
     """x's first column [rows, 1], split like x's rows: an operand that only tells the partitioner how to split
     an output's rows (XLA drops the sharding of a [rows, 0] array)."""
-    return x[:, :1]
+    return sharding.rows_like(x)
 
 
 def _unsplit(n_rows: int, dtype):

@@ -1,8 +1,10 @@
-"""SPMD partitioning of the jax_api ops under `jax.jit`: sharded inputs stay sharded.
+"""SPMD partitioning of the jax_api ops under `jax.jit` and explicit meshes: sharded inputs stay sharded.
 
-Every kernel call of the ops goes through a `jax.experimental.custom_partitioning` function with a Shardy
-`sharding_rule` (propagation) and a `partition` callback (what each device runs). On one device, and
-inside `shard_map` (where the arrays already are per-shard), the plain single-device function runs.
+Every kernel call of the ops goes through `partitioned`: a `jax.experimental.custom_partitioning` function with
+a Shardy `sharding_rule` (propagation) and a `partition` callback (what each device runs). Under a mesh with
+Explicit axes (sharding in types: `jax.make_mesh`'s default), the same callback's per-shard function runs in a
+`jax.shard_map` and the results are typed as the rule's factors give them (`explicit`), eager and under jit.
+On one device, and inside `shard_map` (where the arrays already are per-shard), the plain function runs.
 
 RMSNorm, x [..., N] with any leading dims sharded over any mesh axes (every variant, with or without a
 weight; the width-sharded kernels compute the Llama math with a weight, the others gather a sharded width):
@@ -25,20 +27,25 @@ dprobs takes one FP32 all-reduce of [T, top_k] over the slot and hidden axes (ea
 term; with H sharded, the devices' column sums). Results are bitwise one device's, but for dprobs with a
 sharded H (within the FP32 contract). The index ops read all-gathered indices or counts:
 inverse_permutation's rows split like its output's users, generate_permute_indices runs replicated.
-The grouped GEMM (grouped_mm) [S, K] x [E, K, N]: each device computes its rows (x's row sharding, the
-offsets counted from its first row) on its output columns (w's sharding of them); its weight gradient
-each device's (K, N) block over all the rows. A sharded contracted dim is all-gathered. Bitwise one device's.
+The grouped GEMM (grouped_mm) [S, K] x [E, K, N], Megatron's rules from w's sharding (never gathered): each
+device computes its rows (x's row sharding, the offsets counted from its first row) on its output columns (w's
+sharding of them); a sharded contracted dim (row parallel, or dy @ w.T under a column-parallel w) gives FP32
+partial products and one FP32 psum; sharded experts give each device its experts' rows (one psum, exact) and
+their weight gradient (the offsets carry w's expert sharding to it, `expert_offsets`); the weight gradient is
+each device's (K, N) block over all the rows. Bitwise one device's but for a split contracted dim (the FP32
+contract).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_api._launch import call, host_custom_call, vary_like, varying
@@ -75,15 +82,120 @@ def per_shard(fn):
 
 
 def partitioned(body, partition, rule: str, **factors):
+    """`body` partitioned by `partition` (custom_partitioning's callback) under jit, with the Shardy `rule`;
+    under an explicit mesh the same callback's per-shard function runs in a shard_map (`explicit`)."""
     op = custom_partitioning(lambda *args: body(*args))  # positional only: body may be a partial with keywords
     op.def_partition(partition=partition, sharding_rule=rule, **factors)
 
     def apply(*args):
         if any(varying(a) for a in args):  # inside shard_map: already one shard
             return body(*args)
+        mesh = explicit_mesh(args)
+        if mesh is not None:
+            return explicit(mesh, body, partition, rule, args)
         return op(*args)
 
     return apply
+
+
+# ---------------------------------------------------------------------------------------------------
+# Explicit meshes (sharding in types)
+#
+# Under a mesh with Explicit axes (jax.make_mesh's default) the sharding is part of each array's type and
+# jit does not propagate it: an op's result type comes from its inputs' types. custom_partitioning has no
+# say there (its outputs would be typed replicated), so the op runs as a shard_map over the explicit axes
+# with the same per-shard function and specs the partition callback chooses under jit. The result then
+# gets the type the rule's factors give it, as a jnp expression's would: an output dim sharded like the
+# input dims of its factor (`rule_specs`); where the callback computed it otherwise (a hidden dim gathered
+# for a variant without width-sharded kernels), a reshard makes it so (a local slice, no collective).
+
+
+def explicit_mesh(args):
+    """The mesh of the first argument whose type names a mesh with Explicit axes, else None."""
+    for a in args:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def rows_like(x):
+    """x's first column [rows, 1], split like x's rows. Under an explicit mesh zeros typed so (their values
+    are not read; slicing a split hidden dim is refused there)."""
+    mesh = explicit_mesh([x])
+    if mesh is None:
+        return x[:, :1]
+    with _mesh_context(mesh, [x]):
+        return jnp.zeros((x.shape[0], 1), x.dtype, out_sharding=P(_type_spec(x)[0], None))
+
+
+def explicit(mesh, body, partition, rule: str, args):
+    """`body(*args)` on an explicit mesh: the partition callback's per-shard function in a shard_map."""
+    with _mesh_context(mesh, args):
+        return _explicit(mesh, body, partition, rule, args)
+
+
+def _mesh_context(mesh, args):
+    """The arguments' mesh as the context mesh where none is set (typed arrays used outside `jax.set_mesh`):
+    a concrete array's own mesh, else (tracing) the abstract one."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        for a in args:
+            sharding = getattr(a, "sharding", None)
+            if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+                with contextlib.suppress(ValueError):  # refused inside jit (constants traced there)
+                    return jax.set_mesh(sharding.mesh)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _explicit(mesh, body, partition, rule: str, args):
+    axes = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+    arg_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, _type_spec(a))) for a in args]
+    result = jax.eval_shape(body, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+    result = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype), result)
+    _, fn, out_shardings, arg_shardings = partition(mesh, arg_shapes, result)
+    in_specs = tuple(s.spec for s in arg_shardings)
+    out_specs = jax.tree.map(lambda s: s.spec, out_shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    args = [jax.sharding.reshard(a, spec) for a, spec in zip(args, in_specs)]
+    out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes,
+                        check_vma=False)(*args)
+    single = not isinstance(out, (tuple, list))
+    outs = [out] if single else list(out)
+    wanted = rule_specs(rule, [_type_spec(a) for a in arg_shapes], [o.ndim for o in outs])
+    outs = [o if _same(_type_spec(o), spec) else jax.sharding.reshard(o, spec) for o, spec in zip(outs, wanted)]
+    return outs[0] if single else type(out)(outs)
+
+
+def _type_spec(a) -> P:
+    sharding = a.sharding if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a).sharding
+    spec = tuple(sharding.spec) if sharding is not None else ()
+    return P(*spec, *([None] * (len(a.shape) - len(spec))))
+
+
+def _same(a: P, b: P) -> bool:
+    norm = lambda s: [(e,) if isinstance(e, str) else tuple(e or ()) for e in s]  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def rule_specs(rule: str, in_specs, out_ranks) -> list[P]:
+    """The output specs a Shardy-style `rule` ("s k, e k n, e -> s n") gives: each output dim sharded over
+    the mesh axes of the first input dim of its factor, less axes an earlier dim of that output took."""
+    ins, outs = (part.split(",") for part in rule.split("->"))
+    axes_of = {}
+    for factors, spec in zip(ins, in_specs):
+        for f, entry in zip(factors.split(), spec):
+            if entry is not None and f not in axes_of:
+                axes_of[f] = (entry,) if isinstance(entry, str) else tuple(entry)
+    specs = []
+    for factors, rank in zip(outs, out_ranks):
+        taken, dims = set(), []
+        for f in factors.split()[:rank]:
+            mine = tuple(a for a in axes_of.get(f, ()) if a not in taken)
+            taken.update(mine)
+            dims.append(mine[0] if len(mine) == 1 else (mine or None))
+        specs.append(P(*dims))
+    return specs
 
 
 def factor_names(n: int, prefix: str = "r") -> list[str]:
@@ -313,41 +425,132 @@ def replicated(body, n_in: int, ranks: tuple[int, ...], out_ranks: tuple[int, ..
 
 @functools.cache
 def grouped_rows(body, transposed: bool):
-    """out = body(a, w, offs): the grouped GEMM's rows kernel, a [S, K] @ w[e] [K, N] -> [S, N] (transposed: a
-    [S, N] @ w[e].T -> [S, K], the x gradient), offs [E] the global cumulative ends of the experts' rows. Each
-    device computes its rows (a's row sharding) on its output columns (w's N, or transposed its K, sharding),
-    its offsets counted from its first row and clipped to its rows (`_local_offsets`): no communication but the
-    all-gather of a sharded contracted dim or expert dim. Bitwise one device's result."""
-    rule = "s n, e k n, e -> s k" if transposed else "s k, e k n, e -> s n"
+    """out = body(a, w, offs[, out_dtype]): the grouped GEMM's rows kernel, a [S, K] @ w[e] [K, N] -> [S, N]
+    (transposed: a [S, N] @ w[e].T -> [S, K], the x gradient), offs [E] the global cumulative ends of the
+    experts' rows, the result in `out_dtype` (default a's). Megatron's rules, from w's sharding:
+    - output columns (w's N, transposed its K) sharded: each device computes its columns, no communication;
+    - the contracted dim sharded (row parallel): each device multiplies its slice of a and w into an FP32
+      partial product, then one FP32 psum over those axes, rounded once to a's dtype;
+    - experts sharded: each device computes the rows of its experts (`_expert_rows`), zeros elsewhere, then
+      one psum over the expert axes (each row has one nonzero term: exact).
+    Rows split like a's (its offsets counted from its first row, `_local_offsets`). The weight is never
+    gathered: offs (int32 [E]) is. Bitwise one device's result, but for a sharded contracted dim (the sum
+    over K reassociated: within the FP32 contract)."""
+    c_dim, o_dim = (2, 1) if transposed else (1, 2)  # w's contracted and output dims
 
     def partition(mesh, arg_shapes, result_shape):
-        cols = dim_axes(arg_shapes[1])[1 if transposed else 2]
-        rows = _split_rows(mesh, arg_shapes[0], result_shape, cols)
-        local_rows = result_shape.shape[0] // _size(mesh, rows)
+        a_dims, w_dims = dim_axes(arg_shapes[0]), dim_axes(arg_shapes[1])
+        w_shape = arg_shapes[1].shape
+        experts = _even(mesh, w_dims[0], w_shape[0])
+        inner = _even(mesh, _without(w_dims[c_dim] or a_dims[1], experts), w_shape[c_dim])
+        cols = _even(mesh, _without(w_dims[o_dim], experts + inner), w_shape[o_dim])
+        rows = _split_rows(mesh, arg_shapes[0], result_shape, experts + inner + cols)
+        n_slots = result_shape.shape[0]
+        local_rows = n_slots // _size(mesh, rows)
 
         def fn(a, w, offs):
-            return body(a, w, _local_offsets(offs, rows, local_rows))
+            if not (experts or inner):
+                return body(a, w, _local_offsets(offs, rows, local_rows))
+            out_dtype = jnp.float32 if inner else a.dtype  # row parallel: FP32 partial products
+            if experts:
+                y = _expert_rows(body, a, w, offs, experts, rows, local_rows, n_slots, out_dtype)
+            else:
+                y = body(a, w, _local_offsets(offs, rows, local_rows), out_dtype)
+            return jax.lax.psum(y, experts + inner).astype(a.dtype)
 
-        w_dims = [(), cols, ()] if transposed else [(), (), cols]
+        w_spec = [experts, (), ()]
+        w_spec[c_dim], w_spec[o_dim] = inner, cols
         return (mesh, per_shard(fn), named_sharding(mesh, [rows, cols]),
-                (named_sharding(mesh, [rows, ()]), named_sharding(mesh, w_dims), named_sharding(mesh, [()])))
+                (named_sharding(mesh, [rows, inner]), named_sharding(mesh, w_spec), named_sharding(mesh, [()])))
 
-    return partitioned(body, partition, rule, need_replication_factors=("n" if transposed else "k", "e"))
+    rule = "s n, e k n, e -> s k" if transposed else "s k, e k n, e -> s n"
+    return partitioned(lambda a, w, offs: body(a, w, offs), partition, rule)
 
 
 @functools.cache
 def grouped_dw(body):
-    """dw = body(x, dy, offs): dw[e] = x_e.T @ dy_e, [E, K, N]. Each device computes its (K, N) block of every
-    expert (x's column sharding, dy's column sharding) over all the rows: sharded rows are all-gathered, so each
-    element is still one program's FP32 sum in one order (bitwise one device's)."""
+    """dw = body(x, dy, offs): dw[e] = x_e.T @ dy_e, [E, K, N]. Each device computes its (K, N) block (x's K
+    sharding, dy's N sharding) of its experts (offs' sharding, which `expert_offsets` gives w's; or the
+    result's) over all the rows: sharded rows are all-gathered (activations, never the weight), so each
+    element is still one program's FP32 sum in one order (bitwise one device's), and dw is sharded like w."""
 
     def partition(mesh, arg_shapes, result_shape):
-        k = dim_axes(arg_shapes[0])[1]
-        n = _without(dim_axes(arg_shapes[1])[1], k)
-        return (mesh, per_shard(body), named_sharding(mesh, [(), k, n]),
+        out_dims = dim_axes(result_shape)
+        n_experts, n_inner, n_cols = result_shape.shape
+        experts = _even(mesh, dim_axes(arg_shapes[2])[0] or out_dims[0], n_experts)
+        k = _even(mesh, _without(dim_axes(arg_shapes[0])[1] or out_dims[1], experts), n_inner)
+        n = _even(mesh, _without(dim_axes(arg_shapes[1])[1] or out_dims[2], experts + k), n_cols)
+        n_slots = arg_shapes[0].shape[0]
+
+        def fn(x, dy, offs):
+            if not experts:
+                return body(x, dy, offs)
+            local, shift = _expert_block(offs, experts, n_experts // _size(mesh, experts), (), n_slots, n_slots)
+            return body(jnp.roll(x, -shift, 0), jnp.roll(dy, -shift, 0), local)
+
+        return (mesh, per_shard(fn), named_sharding(mesh, [experts, k, n]),
                 (named_sharding(mesh, [(), k]), named_sharding(mesh, [(), n]), named_sharding(mesh, [()])))
 
-    return partitioned(body, partition, "s k, s n, e -> e k n", need_replication_factors=("s", "e"))
+    return partitioned(body, partition, "s k, s n, e -> e k n", need_replication_factors=("s",))
+
+
+@functools.cache
+def _offsets_like():
+    """offs [E] returned sharded like w [E, K, N]'s experts (values unchanged); under vmap, offs as it is."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        experts = _even(mesh, dim_axes(arg_shapes[1])[0], arg_shapes[1].shape[0])
+        return (mesh, per_shard(lambda offs, w: offs), named_sharding(mesh, [experts]),
+                (named_sharding(mesh, [experts]), named_sharding(mesh, dim_axes(arg_shapes[1]))))
+
+    like = partitioned(lambda offs, w: offs, partition, "e, e k n -> e")
+
+    @jax.custom_batching.custom_vmap
+    def op(offs, w):
+        return like(offs, w)
+
+    op.def_vmap(lambda axis_size, in_batched, offs, w: (offs, in_batched[0]))
+    return op
+
+
+def expert_offsets(offs, w):
+    """grouped_mm's offsets, sharded like w's experts under sharded jit (an explicit mesh's types, or the
+    partitioner's choice): the weight gradient then reads which experts are this device's from them."""
+    mesh = explicit_mesh([w])
+    if mesh is not None:
+        spec = _type_spec(w)[0]
+        if _same(_type_spec(offs)[:1], P(spec)):
+            return offs
+        with _mesh_context(mesh, [w, offs]):
+            return jax.sharding.reshard(offs, P(spec))
+    if varying(w) or varying(offs) or jax.device_count() == 1:  # a shard already, or nothing to split
+        return offs
+    return _offsets_like()(offs, jax.lax.stop_gradient(w))  # w only lends its sharding
+
+
+def _expert_rows(body, a, w, offs, experts, rows, local_rows: int, n_slots: int, out_dtype):
+    """The rows of this device's experts (w [E / shards, ...], its block of them), zeros elsewhere: a rolled up
+    so that their first row is row 0 (the kernel's first expert starts there), multiplied, and rolled back."""
+    local, shift = _expert_block(offs, experts, w.shape[0], rows, local_rows, n_slots)
+    return jnp.roll(body(jnp.roll(a, -shift, 0), w, local, out_dtype), shift, 0)
+
+
+def _expert_block(offs, experts, n_local: int, rows, local_rows: int, n_slots: int):
+    """(the cumulative ends of this device's experts counted from their first row, that row), both within this
+    device's rows (`rows` axes, `local_rows` each; offsets clamped as the kernel clamps them)."""
+    offs = jnp.clip(offs, 0, n_slots)
+    first = jax.lax.axis_index(experts) * n_local
+    ends = jax.lax.dynamic_slice_in_dim(offs, first, n_local)
+    start = jnp.where(first > 0, offs[jnp.maximum(first - 1, 0)], 0)
+    row0 = jax.lax.axis_index(rows) * local_rows if rows else 0
+    start = jnp.clip(start - row0, 0, local_rows).astype(offs.dtype)
+    ends = jnp.clip(ends - row0, 0, local_rows).astype(offs.dtype)
+    return ends - start, start
+
+
+def _even(mesh, axes, size: int) -> tuple[str, ...]:
+    """`axes` where they split `size` evenly, else () (the dim then stays whole)."""
+    return axes if size % _size(mesh, axes) == 0 else ()
 
 
 def _local_offsets(offs, axes, local_rows: int):
