@@ -108,3 +108,25 @@ ad.primitive_jvps[linear_p] = _jvp
 ad.primitive_transposes[linear_p] = _transpose
 batching.fancy_primitive_batchers[linear_p] = _batch
 mlir.register_lowering(linear_p, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def bilinear_jvp(op, transpose, n_first: int, n_diff: int):
+    """A custom_jvp rule for `op(*args)`, linear in args[:n_first] and in args[n_first:n_diff] separately (the
+    rest: integer operands): the tangent op(t1, a2) + op(a1, t2), `linear` in the tangents, transposed by
+    `transpose(*args, *cts)` (the cotangents flat; one result per differentiable argument). `op` is the
+    custom_jvp function itself, so the tangent is differentiable again."""
+
+    def rule(primals, tangents):
+        out = op(*primals)
+        n = len(primals)
+
+        def tangent(*args):
+            p, t = args[:n], args[n:]
+            one = op(*t[:n_first], *p[n_first:])
+            two = op(*p[:n_first], *t[n_first:], *p[n_diff:])
+            return jax.tree.leaves(jax.tree.map(jax.numpy.add, one, two))
+
+        t_out = linear(tangent, lambda *args: list(transpose(*args)), primals, tangents[:n_diff])
+        return out, jax.tree.unflatten(jax.tree.structure(out), t_out)
+
+    return rule

@@ -110,7 +110,7 @@ def norm_math(x, weight, eps: float, variant: str, out_dtype, normed_dtype=None)
     return (w32 * normed).astype(out_dtype)
 
 
-def _with_weight(fn, weighted: bool):
+def with_weight(fn, weighted: bool):
     """fn(x, w, ...) as a function of the flat arrays (x, w) or (x,) (a call without a weight)."""
     return fn if weighted else (lambda x, *rest: fn(x, None, *rest))
 
@@ -125,7 +125,7 @@ def _rms_norm_jvp(eps, variant, primals, tangents):
     x, weight = primals
     y = _rms_norm(x, weight, eps, variant)
     n = 1 if weight is None else 2
-    math = _with_weight(lambda a, b: norm_math(a, b, eps, variant, y.dtype), n == 2)
+    math = with_weight(lambda a, b: norm_math(a, b, eps, variant, y.dtype), n == 2)
 
     def tangent(*args):  # residuals (x, w), tangents (tx, tw): linear in the tangents
         return [jax.jvp(math, args[:n], args[n:])[1]]
@@ -151,7 +151,7 @@ def _backward_jvp(eps, variant, primals, tangents):
     out = _backward(dy, x, weight, eps, variant)
 
     def math(dy, x, *w):  # the backward as jnp: the vjp of norm_math
-        pullback = jax.vjp(_with_weight(lambda a, b: norm_math(a, b, eps, variant, dy.dtype), bool(w)), x, *w)[1]
+        pullback = jax.vjp(with_weight(lambda a, b: norm_math(a, b, eps, variant, dy.dtype), bool(w)), x, *w)[1]
         return pullback(dy)
 
     n = 2 if weight is None else 3
