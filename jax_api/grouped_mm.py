@@ -95,4 +95,5 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
                               tuple(m_offsets.shape))
     if validate:
         contract.check_offsets(concrete("m_offsets", m_offsets), x.shape[0])
-    return _fwd(x, w, m_offsets)
+    # Inside shard_map a replicated weight is made varying like x (its gradient: the psum of the shards')
+    return _fwd(vary_like(x, w), vary_like(w, x), m_offsets)

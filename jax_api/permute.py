@@ -376,8 +376,8 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     # The forward's kernels are the core's choice (`unpermute_recipe`, in `_combine_kernel`); what differs
     # here is the autodiff glue: the combine's backward also gives dprobs, the copy-sum's is the dispatch.
     # The plain form runs as inverse + gather: its rows then partition like any gather (jax_api/sharding.py).
-    if probs is not None:
-        return _combine(num_rows, top_k, y, permuted_indices, probs)
+    if probs is not None:  # inside shard_map both vary alike (each one's gradient then has its type)
+        return _combine(num_rows, top_k, vary_like(y, probs), permuted_indices, vary_like(probs, y))
     if top_k > 1:
         return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
     return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))
