@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_vjp` function (jit, grad, vjp, vmap).
+"""Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_jvp` function (every transformation, as
+`rms_norm`).
 
 The same recipes and kernels as the torch front end (`xkern/add_rms_norm.py`), hence the
 same bits. vmap: the kernel calls are `custom_vmap` functions, a vmapped forward is more rows and a vmapped

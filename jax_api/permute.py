@@ -112,8 +112,8 @@ def _unpermute(num_rows, y, idx, rows):
 
 
 # The top_k / weighted forms (permute from token rows, combine with probs). Each kernel call is a
-# custom_vmap (one launch per example under vmap); each custom_vjp's backward is these same functions, so
-# gradients of any order are too.
+# custom_vmap (one launch per example under vmap); each one's transpose is another of these same functions, so
+# derivatives of any order are too.
 
 
 def _per_example(body, n_out: int):
@@ -324,7 +324,7 @@ def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1)
     """`out[i] = x[permuted_indices[i]]`, a zero row where the index is -1: [len(permuted_indices), H].
 
     x: [num_rows, H] float16/bfloat16/float32. permuted_indices: int32/int64, -1 or a row of x.
-    Differentiable in x (custom_vjp): dx = dout gathered through the inverse permutation
+    Differentiable in x (forward and reverse, any order): dx = dout gathered through the inverse permutation
     (`unpermute_rows`). `validate=True` (concrete indices only) checks the valid entries are a
     one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
 
@@ -356,7 +356,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y
-    (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding).
+    (forward and reverse, any order): dy = permute_rows(dout, permuted_indices) (zero at padding).
 
     The MoE combine (top_k > 1 or probs): num_rows = T * top_k routed copies; the result is [T, H] with
     `out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]` (p = probs [T, top_k], or 1), in FP32, j in

@@ -1,4 +1,6 @@
-"""RMSNorm for JAX: `rms_norm`, a `jax.custom_vjp` function usable under jit, grad, vjp and vmap.
+"""RMSNorm for JAX: `rms_norm`, a `jax.custom_jvp` function usable under every transformation (jit, jvp, grad,
+hessian, vmap, scan, checkpoint, shard_map, sharded jit, export): forward mode through a jnp tangent, reverse
+mode through the backward kernel (docs/design.md, "JAX autodiff").
 
 vmap: the kernel calls are `custom_vmap` functions, so a vmapped forward is just more rows, and a
 vmapped backward launches once with a batch grid axis that keeps one dw per example. A batched weight
@@ -161,7 +163,7 @@ def _backward_jvp(eps, variant, primals, tangents):
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *, variant: str = "llama") -> jax.Array:
     """Hugging Face Llama RMSNorm over the last axis: `w * (x.f32 * rsqrt(mean(x.f32**2) + eps)).astype(
-    x.dtype)`, fp32 statistics; differentiable in `x` and `weight` (jax.custom_vjp).
+    x.dtype)`, fp32 statistics; differentiable in `x` and `weight` to any order, forward and reverse.
 
     x: [..., N], float16 / bfloat16 / float32, any N >= 0. weight: [N], float16 / bfloat16 / float32; the
     output dtype is their promotion (float32 when they differ), as in the torch front end. None: no weight,

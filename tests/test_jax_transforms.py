@@ -320,9 +320,8 @@ def _check_ep(n_dev: int) -> None:
         xp, _, _, handle = xj.ep_dispatch(x, ids, experts, "ep", capacity=3 * top_k, alignment=1)
         return xj.ep_combine(xp, wts, handle)
 
-    F = jax.shard_map(lambda x, w: step(x, w, ids.reshape(n_dev, -1, top_k)[jax.lax.axis_index("ep")]), mesh=mesh,
-                      in_specs=(P("ep"), P("ep")), out_specs=P("ep"), check_vma=False)
-    got = _sharded_transforms(F, (x, wts), (wts[:, :1] * x, wts), jnp.float32)
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"))  # check_vma=True
+    got = _sharded_transforms(lambda x, w: sharded(x, w, ids), (x, wts), (wts[:, :1] * x, wts), jnp.float32)
     with jax.enable_x64(True):
         as64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
         want = _sharded_transforms(lambda x, w: x * jnp.sum(w, 1, keepdims=True), (as64(x), as64(wts)),
