@@ -202,23 +202,44 @@ def rms_norm_tp(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, axis_name
     return _rms_norm_tp(axes, float(eps), x, weight)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tp_total(axes, x) -> int:
+    return x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _tp_math(axes, eps: float, out_dtype, x, weight):
+    """norm_math over a width split across `axes`: the row sums psum'd (what the tangents follow)."""
+    x32 = x.astype(jnp.float32)
+    sum_sq = jax.lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), axes)
+    normed = x32 * jax.lax.rsqrt(sum_sq / _tp_total(axes, x) + eps)
+    return (weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)).astype(out_dtype)
+
+
+# Autodiff as rms_norm's: a custom_jvp whose tangent is `linear`, transposed by the width-sharded backward kernels.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _rms_norm_tp(axes, eps, x, weight):
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    return vary_like(sharding.fwd_width_sharded(axes, n_total, eps, x, weight), x)
+    return vary_like(sharding.fwd_width_sharded(axes, _tp_total(axes, x), eps, x, weight), x)
 
 
-def _rms_norm_tp_fwd(axes, eps, x, weight):
-    return _rms_norm_tp(axes, eps, x, weight), (x, weight)
+@_rms_norm_tp.defjvp
+def _rms_norm_tp_jvp(axes, eps, primals, tangents):
+    y = _rms_norm_tp(axes, eps, *primals)
+    norm = functools.partial(_tp_math, axes, eps, y.dtype)
+    (t,) = linear(lambda x, w, tx, tw: [jax.jvp(norm, (x, w), (tx, tw))[1]],
+                  lambda x, w, dy: list(_tp_backward(axes, eps, dy, x, w)), primals, tangents)
+    return y, t
 
 
-def _rms_norm_tp_bwd(axes, eps, residuals, dy):
-    x, weight = residuals
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    dx, dw = sharding.bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _tp_backward(axes, eps, dy, x, weight):
+    dx, dw = sharding.bwd_width_sharded(axes, _tp_total(axes, x), eps, 0, dy, x, weight)
     row_axes = tuple(sorted(varying(x) - varying(weight) - set(axes)))
     dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
     return vary_like(dx, x), dw.astype(weight.dtype)
 
 
-_rms_norm_tp.defvjp(_rms_norm_tp_fwd, _rms_norm_tp_bwd)
+@_tp_backward.defjvp
+def _tp_backward_jvp(axes, eps, primals, tangents):
+    dy, x, weight = primals
+    out = _tp_backward(axes, eps, dy, x, weight)
+    norm = functools.partial(_tp_math, axes, eps, dy.dtype)
+    return out, jax.jvp(lambda dy, x, w: jax.vjp(norm, x, w)[1](dy), primals, tangents)[1]
