@@ -301,11 +301,10 @@ def test_index_ops_under_jit_vmap_scan_remat():
 # The device counts: shard_map and auto-sharded jit of every op (jit, jvp, grad), expert parallelism. The
 # explicit-sharded jit column is tests/test_sharding.py's (explicit meshes).
 
-SHARDED_OPS = [op for op in OPS if op != "rms_norm gemma"]
-# which arguments split by rows over the mesh (the rest replicated), per op
-ROW_ARGS = {"rms_norm": (0,), "rms_norm no weight": (0,), "add_rms_norm": (0, 1), "permute_rows": (0,),
-            "permute_rows top_k": (0,), "unpermute_rows": (0,), "unpermute_rows probs": (0, 1), "grouped_mm": (0,)}
-SHARDED_CELLS = [f"{op}: {mode}" for op in SHARDED_OPS for mode in ("shard_map", "sharded jit")] + [
+# which arguments split by rows over the mesh (the rest replicated), per op: x, and add_rms_norm's residual and
+# the combine's probs (one row per token)
+ROW_ARGS = {op: (0, 1) if op in ("add_rms_norm", "unpermute_rows probs") else (0,) for op in OPS}
+SHARDED_CELLS = [f"{op}: {mode}" for op in OPS for mode in ("shard_map", "sharded jit")] + [
     "rms_norm_tp: shard_map", "ep: shard_map", "index ops: sharded jit"]
 
 
