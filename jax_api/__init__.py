@@ -1,4 +1,5 @@
-"""JAX front end of xkern: custom_vjp functions over the same Triton kernels and launch plans."""
+"""JAX front end of xkern: custom_jvp functions over the same Triton kernels and launch plans, whose tangents the
+backward kernels transpose (jax_api/_linear.py): every JAX transformation (docs/transformations.md)."""
 
 from jax_api._ptxas import use_triton_ptxas
 from jax_api.add_rms_norm import add_rms_norm

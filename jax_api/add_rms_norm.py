@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_vjp` function (jit, grad, vjp, vmap).
+"""Fused residual add + RMSNorm for JAX: `add_rms_norm`, a `jax.custom_jvp` function (every transformation, as
+`rms_norm`).
 
 The same recipes and kernels as the torch front end (`xkern/add_rms_norm.py`), hence the
 same bits. vmap: the kernel calls are `custom_vmap` functions, a vmapped forward is more rows and a vmapped
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api._linear import linear
+from jax_api.rms_norm import norm_math, with_weight
 from jax_api.sharding import (
     bwd_width_sharded,
     dim_axes,
@@ -170,28 +173,59 @@ def _bwd_op(eps: float, variant: str, x_dtype: str, n_batch_dims: int):
     return op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+# Autodiff as rms_norm's (jax_api/rms_norm.py): a custom_jvp whose tangent is `linear`, transposed by the
+# backward kernel, which is itself a custom_jvp with a jnp tangent.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _add_rms_norm(x, residual, weight, eps, variant, res_dtype):
     y, res = _fwd_op(eps, variant, res_dtype)(x, residual, weight)
     return vary_like(y, x), vary_like(res, x)
 
 
-def _add_rms_norm_fwd(x, residual, weight, eps, variant, res_dtype):
-    y, res = _add_rms_norm(x, residual, weight, eps, variant, res_dtype)
-    # dtypes ride along as zero-size arrays (residuals are arrays)
-    return (y, res), (res, weight, jnp.zeros((0,), x.dtype), jnp.zeros((0,), residual.dtype))
+@_add_rms_norm.defjvp
+def _add_rms_norm_jvp(eps, variant, res_dtype, primals, tangents):
+    x, residual, weight = primals
+    y, s = _add_rms_norm(x, residual, weight, eps, variant, res_dtype)
+    weighted = weight is not None
+    x_dtype, r_dtype, y_dtype = x.dtype, residual.dtype, y.dtype
+    math = with_weight(lambda a, b: norm_math(a, b, eps, variant, y_dtype, x_dtype), weighted)
+
+    def tangent(s, *args):  # residuals (sum, w), tangents (tx, tr, tw)
+        w, (tx, tr, *tw) = args[:weighted], args[weighted:]
+        ts = (tx.astype(jnp.float32) + tr.astype(jnp.float32)).astype(res_dtype)
+        return [jax.jvp(math, (s, *w), (ts, *tw))[1], ts]
+
+    def transpose(s, *args):  # residuals (sum, w), cotangents (dy, dres)
+        w, (dy, dres) = args[:weighted], args[weighted:]
+        dsum, dw = _add_backward(dy, dres, s, w[0] if weighted else None, eps, variant, x_dtype.name)
+        dr = dsum.astype(r_dtype)
+        return [dsum.astype(x_dtype), dr] + ([dw] if weighted else [])
+
+    ty, ts = linear(tangent, transpose, (s, weight) if weighted else (s,), tangents[:2 + weighted])
+    return (y, s), (ty, ts)
 
 
-def _add_rms_norm_bwd(eps, variant, res_dtype, saved, cts):
-    res, weight, x_like, r_like = saved
-    dy, dres = cts
-    dsum, dw = _bwd_op(eps, variant, x_like.dtype.name, 0)(dy, dres.astype(res.dtype), res, weight)
-    dx = dsum.astype(x_like.dtype)
-    dr = dx if r_like.dtype == x_like.dtype else dsum.astype(r_like.dtype)
-    return vary_like(dx, res), vary_like(dr, res), None if weight is None else vary_like(dw, weight)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _add_backward(dy, dres, res, weight, eps, variant, x_dtype):
+    """(d(sum) in residual_out's dtype, dw) from the backward kernel; dw None without a weight."""
+    dsum, dw = _bwd_op(eps, variant, x_dtype, 0)(dy, dres.astype(res.dtype), res, weight)
+    return vary_like(dsum, res), None if weight is None else vary_like(dw, weight)
 
 
-_add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
+@_add_backward.defjvp
+def _add_backward_jvp(eps, variant, x_dtype, primals, tangents):
+    dy, dres, res, weight = primals
+    out = _add_backward(dy, dres, res, weight, eps, variant, x_dtype)
+
+    def math(dy, dres, res, *w):  # the norm's vjp, plus d(residual_out): FP32, rounded once
+        norm = with_weight(lambda a, b: norm_math(a, b, eps, variant, dy.dtype, x_dtype), bool(w))
+        dsum, *dw = jax.vjp(norm, res, *w)[1](dy)
+        return ((dsum.astype(jnp.float32) + dres.astype(jnp.float32)).astype(res.dtype), *dw)
+
+    n = 3 if weight is None else 4
+    t = jax.jvp(math, primals[:n], tangents[:n])[1]
+    return out, (t[0], None if weight is None else t[1])
 
 
 def add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *,

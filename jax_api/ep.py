@@ -11,9 +11,9 @@ rank through `jax.lax.all_to_all` (tiled), so no host sync at all; the exchanged
 travel in a second all_to_all and say which received rows are real. Rows past `capacity` for one
 destination rank are dropped (they contribute zero to the combined output, and get zero gradient).
 `ragged_all_to_all` would avoid the padding, but XLA's CPU backend does not implement it, and the
-fixed-capacity form also runs on GPUs. Differentiable: all_to_all transposes to the reverse
-all_to_all, the permutes are custom_vjp gathers. Under `jax.grad` the shard_map needs `check_vma=False`:
-the permutes' custom_vjp backward (a pure_callback on CPU) drops the varying-manual-axis type.
+fixed-capacity form also runs on GPUs. Differentiable in x and the routing weights, forward and reverse, under
+shard_map's default check_vma=True: all_to_all transposes to the reverse all_to_all, the permutes and the
+combine are linear gathers whose transposes are each other (jax_api/permute.py).
 """
 
 from __future__ import annotations

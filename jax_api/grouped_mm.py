@@ -1,10 +1,11 @@
 """The experts' grouped GEMM over the padded expert-major layout in JAX: `grouped_mm`, under jit, grad of any
 order, vmap and sharded jit. Contract and kernels: `xkern/grouped_mm.py`.
 
-Three custom_vjp functions whose backward passes are each other: the forward F(x, w) = x_e @ w_e, the x
-gradient DX(g, w) = g_e @ w_e.T (the forward's kernel reading w transposed) and the weight gradient DW(a, b)[e]
-= a_e.T @ b_e. F's cotangents are DX(g, w) and DW(x, g); DX's are F(h, w) and DW(h, g); DW's are DX(b, H) and
-F(a, H). The offsets are an integer input: their cotangent is None (symbolic zero).
+Three bilinear custom_jvp functions whose tangents are transposed by each other (jax_api/_linear.py): the
+forward F(x, w) = x_e @ w_e, the x gradient DX(g, w) = g_e @ w_e.T (the forward's kernel reading w transposed)
+and the weight gradient DW(a, b)[e] = a_e.T @ b_e. F's cotangents are DX(g, w) and DW(x, g); DX's are F(h, w)
+and DW(h, g); DW's are DX(b, H) and F(a, H). So forward mode, jax.grad on the kernels and every order. The
+offsets are an integer input: their tangent is float0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, concrete, execute, map_batched, vary_like
+from jax_api._linear import bilinear_jvp
 from xkern import grouped_mm as contract
 
 
@@ -66,28 +68,25 @@ def _op(form: str):
     return op
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _fwd(x, w, offs):
     return vary_like(_op("fwd")(x, w, offs), x)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _dx(g, w, offs):
     return vary_like(_op("dx")(g, w, offs), g)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _dw(a, b, offs):
     return vary_like(_op("dw")(a, b, offs), a)
 
 
-_fwd.defvjp(lambda x, w, offs: (_fwd(x, w, offs), (x, w, offs)),
-            lambda res, g: (_dx(g, res[1], res[2]), _dw(res[0], g, res[2]), None))
-_dx.defvjp(lambda g, w, offs: (_dx(g, w, offs), (g, w, offs)),
-           lambda res, h: (_fwd(h, res[1], res[2]), _dw(h, res[0], res[2]), None))
-_dw.defvjp(lambda a, b, offs: (_dw(a, b, offs), (a, b, offs)),
-           lambda res, big_h: (_dx(res[1], big_h, res[2]), _fwd(res[0], big_h, res[2]), None))
-
+# Each is bilinear: its tangent is two calls of itself, transposed by the other two (jax_api/_linear.py).
+_fwd.defjvp(bilinear_jvp(_fwd, lambda x, w, offs, g: (_dx(g, w, offs), _dw(x, g, offs)), 1, 2))
+_dx.defjvp(bilinear_jvp(_dx, lambda g, w, offs, h: (_fwd(h, w, offs), _dw(h, g, offs)), 1, 2))
+_dw.defjvp(bilinear_jvp(_dw, lambda a, b, offs, big_h: (_dx(b, big_h, offs), _fwd(a, big_h, offs)), 1, 2))
 
 
 def grouped_mm(x, w, m_offsets, validate: bool = False):
@@ -110,4 +109,5 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
                               tuple(m_offsets.shape))
     if validate:
         contract.check_offsets(concrete("m_offsets", m_offsets), x.shape[0])
-    return _fwd(x, w, sharding.expert_offsets(m_offsets, w))
+    # Inside shard_map a replicated weight is made varying like x (its gradient: the psum of the shards')
+    return _fwd(vary_like(x, w), vary_like(w, x), sharding.expert_offsets(m_offsets, w))

@@ -36,7 +36,7 @@ def _float_name(dtype) -> str:
     return jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)).name
 
 
-def _unsupported(norm: nnx.RMSNorm) -> str | None:
+def unsupported_reason(norm: nnx.RMSNorm) -> str | None:
     """Why xkern does not compute the math of `norm` (a flax.nnx.RMSNorm's configuration); None where it does.
     What only a call can tell (a non-negative axis is the input's last, the input's dtype) RMSNorm checks then."""
     red, feat = _axes(norm.reduction_axes), _axes(norm.feature_axes)
@@ -84,7 +84,7 @@ class RMSNorm(nnx.RMSNorm):
     @functools.wraps(nnx.RMSNorm.__init__, assigned=())  # flax's signature for help() and inspect
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        reason = _unsupported(self)
+        reason = unsupported_reason(self)
         if reason is not None:
             raise ValueError(f"xkern RMSNorm: {reason} (flax.nnx.RMSNorm computes it)")
 
@@ -138,7 +138,7 @@ def replace_rms_norm(model: nnx.Module, *, strict: bool = False) -> int:
     for path, node in nnx.iter_graph(model):
         if type(node) is not nnx.RMSNorm:
             continue
-        reason = _unsupported(node)
+        reason = unsupported_reason(node)
         if reason is None:
             taken[id(node)] = node
         else:

@@ -1,9 +1,10 @@
 """Padded expert row gather for MoE in JAX: `generate_permute_indices`, `topk_permute_indices`,
 `permute_rows`, `inverse_permutation`, `unpermute_rows`; usable under jit and grad of any order.
 
-`permute_rows` and `unpermute_rows` are `jax.custom_vjp` functions whose backward is the other one (a
-gather through the inverse permutation, never a scatter-add); the index array is an integer input, so
-its cotangent is None (symbolic zero). Contract and kernels: see `xkern/permute.py`.
+`permute_rows` and `unpermute_rows` are linear in their rows, each transposed by the other (a gather
+through the inverse permutation, never a scatter-add; jax_api/_linear.py); the weighted combine is bilinear in
+(y, probs). So jvp, vjp, vmap and every order run the kernels. The index array is an integer input: its
+tangent is float0. Contract and kernels: see `xkern/permute.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, concrete, execute, map_batched, vary_like
+from jax_api._linear import bilinear_jvp, linear
 from xkern import permute as contract
 from xkern.launch import check_int
 
@@ -87,42 +89,31 @@ def _inverse_kernel(idx, num_rows: int, like):
 
 
 # Outputs of kernel calls carry no shard_map varying axes: `vary_like` gives them those of the input.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+# A gather is linear in its rows: each is a `linear` call (jax_api/_linear.py) whose transpose is the other
+# gather, so forward mode, jax.grad and every order run these kernels. `rows` ([rows, 1], x's first column,
+# no derivative) tells the partitioner how to split the transpose's rows.
+
+
+def _gather_slots(idx, rows, x):
+    return [vary_like(_gather(x, idx, idx.shape[0]), x)]
+
+
+def _gather_rows(num_rows: int):
+    return lambda idx, rows, y: [vary_like(_gather(y, _inverse(idx, num_rows, rows), num_rows), y)]
+
+
 def _permute(num_rows, x, idx):
-    return vary_like(_gather(x, idx, idx.shape[0]), x)
+    rows = jax.lax.stop_gradient(_rows_like(x))
+    return linear(_gather_slots, _gather_rows(num_rows), (idx, rows), (x,))[0]
 
 
-def _permute_fwd(num_rows, x, idx):
-    return _permute(num_rows, x, idx), (idx, _rows_like(x))
-
-
-def _permute_bwd(num_rows, res, dout):
-    idx, rows = res  # dx split like x's rows
-    return _unpermute(num_rows, dout, idx, rows), None
-
-
-_permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _unpermute(num_rows, y, idx, rows):
-    return vary_like(_gather(y, _inverse(idx, num_rows, rows), num_rows), y)
-
-
-def _unpermute_fwd(num_rows, y, idx, rows):
-    return _unpermute(num_rows, y, idx, rows), idx
-
-
-def _unpermute_bwd(num_rows, idx, dout):
-    return _permute(num_rows, dout, idx), None, None
-
-
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+    return linear(_gather_rows(num_rows), _gather_slots, (idx, jax.lax.stop_gradient(rows)), (y,))[0]
 
 
 # The top_k / weighted forms (permute from token rows, combine with probs). Each kernel call is a
-# custom_vmap (one launch per example under vmap); each custom_vjp's backward is these same functions, so
-# gradients of any order are too.
+# custom_vmap (one launch per example under vmap); each one's transpose is another of these same functions, so
+# derivatives of any order are too.
 
 
 def _per_example(body, n_out: int):
@@ -175,78 +166,59 @@ def _combine_bwd_kernel(dout, y, idx, probs, dprobs_dtype=None, *, num_rows: int
     return dy, dprobs.reshape(probs.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _token_gather(top_k: int):
+    return lambda idx, tokens, x: [vary_like(_token_gather_op(top_k)(x, idx), x)]
+
+
+def _copy_sum(num_rows: int, top_k: int):
+    return lambda idx, tokens, y: [vary_like(_combine_op(num_rows, top_k, False)(y, idx, tokens), y)]
+
+
 def _permute_tokens(top_k, num_tokens, x, idx):
-    return vary_like(_token_gather_op(top_k)(x, idx), x)
+    tokens = jax.lax.stop_gradient(_rows_like(x))  # dx split like x's rows
+    return linear(_token_gather(top_k), _copy_sum(num_tokens * top_k, top_k), (idx, tokens), (x,))[0]
 
 
-def _permute_tokens_fwd(top_k, num_tokens, x, idx):
-    return _permute_tokens(top_k, num_tokens, x, idx), (idx, _rows_like(x))
-
-
-def _permute_tokens_bwd(top_k, num_tokens, res, dout):
-    idx, tokens = res  # dx split like x's rows
-    return _sum_copies(num_tokens * top_k, top_k, dout, idx, tokens), None
-
-
-_permute_tokens.defvjp(_permute_tokens_fwd, _permute_tokens_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sum_copies(num_rows, top_k, y, idx, tokens):
-    return vary_like(_combine_op(num_rows, top_k, False)(y, idx, tokens), y)
+    return linear(_copy_sum(num_rows, top_k), _token_gather(top_k), (idx, jax.lax.stop_gradient(tokens)), (y,))[0]
 
 
-def _sum_copies_fwd(num_rows, top_k, y, idx, tokens):
-    return _sum_copies(num_rows, top_k, y, idx, tokens), idx
+# The weighted combine C(y, probs) and its backward G(dout, y, probs) = (dy, dprobs) are bilinear: G's
+# dy[s] = p[r] dout[t], dprobs[r] = <y[s], dout[t]>; C is transposed by G, and G (in dout; in (y, probs)) by
+# C(a, p) + C(y, b) and G(dout, a, b), as `bilinear_jvp` takes them.
 
 
-def _sum_copies_bwd(num_rows, top_k, idx, dout):
-    return _permute_tokens(top_k, num_rows // top_k, dout, idx), None, None
-
-
-_sum_copies.defvjp(_sum_copies_fwd, _sum_copies_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _combine(num_rows, top_k, y, idx, probs):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _combine_w(num_rows, top_k, y, probs, idx):
     return vary_like(_combine_op(num_rows, top_k, True)(y, idx, probs), y)
 
 
-def _combine_fwd(num_rows, top_k, y, idx, probs):
-    return _combine(num_rows, top_k, y, idx, probs), (y, idx, probs)
-
-
-def _combine_bwd_rule(num_rows, top_k, res, dout):
-    y, idx, probs = res
-    dy, dprobs = _combine_grads(num_rows, top_k, dout, y, idx, probs)
-    return dy, None, dprobs
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd_rule)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _combine_grads(num_rows, top_k, dout, y, idx, probs):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _combine_grads(num_rows, top_k, dout, y, probs, idx):
     dy, dprobs = _combine_bwd_op(num_rows, top_k)(dout, y, idx, probs)
     return vary_like(dy, y), vary_like(dprobs, probs)
 
 
-def _combine_grads_fwd(num_rows, top_k, dout, y, idx, probs):
-    return _combine_grads(num_rows, top_k, dout, y, idx, probs), (dout, y, idx, probs)
+def _combine_jvp(num_rows, top_k, primals, tangents):
+    c, g = functools.partial(_combine_w, num_rows, top_k), functools.partial(_combine_grads, num_rows, top_k)
+    return bilinear_jvp(c, lambda y, p, idx, ct: g(ct, y, p, idx), 1, 2)(primals, tangents)
 
 
-def _combine_grads_bwd(num_rows, top_k, res, cts):
-    # (dy, dprobs) = F(dout, y, p) is bilinear: dy[s] = p[r] dout[t], dprobs[r] = <y[s], dout[t]>. So
-    # d/d dout = combine(g_dy, p) + combine(y, g_dprobs), and F(dout, g_dy, g_dprobs) = (d/dy, d/dp).
-    dout, y, idx, probs = res
-    g_dy, g_dprobs = cts
-    ddout = _combine(num_rows, top_k, g_dy, idx, probs) + _combine(num_rows, top_k, y, idx, g_dprobs)
-    gy, gprobs = _combine_grads(num_rows, top_k, dout, g_dy, idx, g_dprobs)
-    return ddout, gy, None, gprobs
+def _combine_grads_jvp(num_rows, top_k, primals, tangents):
+    c, g = functools.partial(_combine_w, num_rows, top_k), functools.partial(_combine_grads, num_rows, top_k)
+
+    def transpose(dout, y, p, idx, a, b):
+        return (c(a, p, idx) + c(y, b, idx), *g(dout, a, b, idx))
+
+    return bilinear_jvp(g, transpose, 1, 3)(primals, tangents)
 
 
-_combine_grads.defvjp(_combine_grads_fwd, _combine_grads_bwd)
+_combine_w.defjvp(_combine_jvp)
+_combine_grads.defjvp(_combine_grads_jvp)
+
+
+def _combine(num_rows, top_k, y, idx, probs):
+    return _combine_w(num_rows, top_k, y, probs, idx)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,7 +324,7 @@ def permute_rows(x, permuted_indices, validate: bool = False, *, top_k: int = 1)
     """`out[i] = x[permuted_indices[i]]`, a zero row where the index is -1: [len(permuted_indices), H].
 
     x: [num_rows, H] float16/bfloat16/float32. permuted_indices: int32/int64, -1 or a row of x.
-    Differentiable in x (custom_vjp): dx = dout gathered through the inverse permutation
+    Differentiable in x (forward and reverse, any order): dx = dout gathered through the inverse permutation
     (`unpermute_rows`). `validate=True` (concrete indices only) checks the valid entries are a
     one-to-one map onto 0..num_rows-1; without it an out-of-range entry reads a zero row.
 
@@ -384,7 +356,7 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
     """`out[r] = y[inv[r]]` with `inv = inverse_permutation(permuted_indices, num_rows)`: [num_rows, H],
     a zero row for rows no slot names; padding rows of y are never read. Differentiable in y
-    (custom_vjp): dy = permute_rows(dout, permuted_indices) (zero at padding).
+    (forward and reverse, any order): dy = permute_rows(dout, permuted_indices) (zero at padding).
 
     The MoE combine (top_k > 1 or probs): num_rows = T * top_k routed copies; the result is [T, H] with
     `out[t] = sum_j p[t, j] * y[slot of copy t * top_k + j]` (p = probs [T, top_k], or 1), in FP32, j in
@@ -404,8 +376,8 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     # The forward's kernels are the core's choice (`unpermute_recipe`, in `_combine_kernel`); what differs
     # here is the autodiff glue: the combine's backward also gives dprobs, the copy-sum's is the dispatch.
     # The plain form runs as inverse + gather: its rows then partition like any gather (jax_api/sharding.py).
-    if probs is not None:
-        return _combine(num_rows, top_k, y, permuted_indices, probs)
+    if probs is not None:  # inside shard_map both vary alike (each one's gradient then has its type)
+        return _combine(num_rows, top_k, vary_like(y, probs), permuted_indices, vary_like(probs, y))
     if top_k > 1:
         return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
     return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))

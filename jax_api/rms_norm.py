@@ -1,4 +1,6 @@
-"""RMSNorm for JAX: `rms_norm`, a `jax.custom_vjp` function usable under jit, grad, vjp and vmap.
+"""RMSNorm for JAX: `rms_norm`, a `jax.custom_jvp` function usable under every transformation (jit, jvp, grad,
+hessian, vmap, scan, checkpoint, shard_map, sharded jit, export): forward mode through a jnp tangent, reverse
+mode through the backward kernel (docs/design.md, "JAX autodiff").
 
 vmap: the kernel calls are `custom_vmap` functions, so a vmapped forward is just more rows, and a
 vmapped backward launches once with a batch grid axis that keeps one dw per example. A batched weight
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 
 from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like, varying
+from jax_api._linear import linear
 from xkern.launch import check_float
 from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
 
@@ -89,27 +92,78 @@ def _bwd_op(eps: float, variant: str, n_batch_dims: int):
     return op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+# Autodiff (docs/design.md): a custom_jvp whose primal is the forward kernel and whose tangent is `linear` in
+# the tangents: a jnp expression of the linearized math, transposed by the backward kernel (jax.grad runs it,
+# never the jnp transpose). The backward kernel is itself a custom_jvp (a jnp tangent), so every order works.
+
+
+def norm_math(x, weight, eps: float, variant: str, out_dtype, normed_dtype=None):
+    """The forward in jnp, fp32 statistics, rounded where the kernels round (`normed` to `normed_dtype`,
+    default x's, for Llama's; the output to `out_dtype`): what the tangents and second derivatives follow."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return normed.astype(out_dtype)
+    w32 = weight.astype(jnp.float32)
+    if variant == "llama":
+        return (w32 * normed.astype(normed_dtype or x.dtype).astype(jnp.float32)).astype(out_dtype)
+    if variant == "gemma":
+        return (normed * (1 + w32)).astype(out_dtype)
+    return (w32 * normed).astype(out_dtype)
+
+
+def with_weight(fn, weighted: bool):
+    """fn(x, w, ...) as a function of the flat arrays (x, w) or (x,) (a call without a weight)."""
+    return fn if weighted else (lambda x, *rest: fn(x, None, *rest))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _rms_norm(x, weight, eps, variant):
     return vary_like(_fwd_op(eps, variant)(x, weight), x)
 
 
-def _rms_norm_fwd(x, weight, eps, variant):
-    return _rms_norm(x, weight, eps, variant), (x, weight)
+@_rms_norm.defjvp
+def _rms_norm_jvp(eps, variant, primals, tangents):
+    x, weight = primals
+    y = _rms_norm(x, weight, eps, variant)
+    n = 1 if weight is None else 2
+    math = with_weight(lambda a, b: norm_math(a, b, eps, variant, y.dtype), n == 2)
+
+    def tangent(*args):  # residuals (x, w), tangents (tx, tw): linear in the tangents
+        return [jax.jvp(math, args[:n], args[n:])[1]]
+
+    def transpose(*args):  # residuals (x, w), cotangent dy: the backward kernel
+        grads = _backward(args[n], args[0], None if n == 1 else args[1], eps, variant)
+        return list(grads[:n])
+
+    (t,) = linear(tangent, transpose, primals[:n], tangents[:n])
+    return y, t
 
 
-def _rms_norm_bwd(eps, variant, residuals, dy):
-    x, weight = residuals
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _backward(dy, x, weight, eps, variant):
+    """(dx, dw) from the backward kernel; dw None without a weight."""
     dx, dw = _bwd_op(eps, variant, 0)(dy, x, weight)
     return vary_like(dx, x), None if weight is None else vary_like(dw, weight)
 
 
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+@_backward.defjvp
+def _backward_jvp(eps, variant, primals, tangents):
+    dy, x, weight = primals
+    out = _backward(dy, x, weight, eps, variant)
+
+    def math(dy, x, *w):  # the backward as jnp: the vjp of norm_math
+        pullback = jax.vjp(with_weight(lambda a, b: norm_math(a, b, eps, variant, dy.dtype), bool(w)), x, *w)[1]
+        return pullback(dy)
+
+    n = 2 if weight is None else 3
+    t = jax.jvp(math, primals[:n], tangents[:n])[1]
+    return out, (t[0], None if weight is None else t[1])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float = 1e-6, *, variant: str = "llama") -> jax.Array:
     """Hugging Face Llama RMSNorm over the last axis: `w * (x.f32 * rsqrt(mean(x.f32**2) + eps)).astype(
-    x.dtype)`, fp32 statistics; differentiable in `x` and `weight` (jax.custom_vjp).
+    x.dtype)`, fp32 statistics; differentiable in `x` and `weight` to any order, forward and reverse.
 
     x: [..., N], float16 / bfloat16 / float32, any N >= 0. weight: [N], float16 / bfloat16 / float32; the
     output dtype is their promotion (float32 when they differ), as in the torch front end. None: no weight,
@@ -148,23 +202,44 @@ def rms_norm_tp(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, axis_name
     return _rms_norm_tp(axes, float(eps), x, weight)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tp_total(axes, x) -> int:
+    return x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _tp_math(axes, eps: float, out_dtype, x, weight):
+    """norm_math over a width split across `axes`: the row sums psum'd (what the tangents follow)."""
+    x32 = x.astype(jnp.float32)
+    sum_sq = jax.lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), axes)
+    normed = x32 * jax.lax.rsqrt(sum_sq / _tp_total(axes, x) + eps)
+    return (weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)).astype(out_dtype)
+
+
+# Autodiff as rms_norm's: a custom_jvp whose tangent is `linear`, transposed by the width-sharded backward kernels.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _rms_norm_tp(axes, eps, x, weight):
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    return vary_like(sharding.fwd_width_sharded(axes, n_total, eps, x, weight), x)
+    return vary_like(sharding.fwd_width_sharded(axes, _tp_total(axes, x), eps, x, weight), x)
 
 
-def _rms_norm_tp_fwd(axes, eps, x, weight):
-    return _rms_norm_tp(axes, eps, x, weight), (x, weight)
+@_rms_norm_tp.defjvp
+def _rms_norm_tp_jvp(axes, eps, primals, tangents):
+    y = _rms_norm_tp(axes, eps, *primals)
+    norm = functools.partial(_tp_math, axes, eps, y.dtype)
+    (t,) = linear(lambda x, w, tx, tw: [jax.jvp(norm, (x, w), (tx, tw))[1]],
+                  lambda x, w, dy: list(_tp_backward(axes, eps, dy, x, w)), primals, tangents)
+    return y, t
 
 
-def _rms_norm_tp_bwd(axes, eps, residuals, dy):
-    x, weight = residuals
-    n_total = x.shape[-1] * math.prod(jax.lax.axis_size(a) for a in axes)
-    dx, dw = sharding.bwd_width_sharded(axes, n_total, eps, 0, dy, x, weight)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _tp_backward(axes, eps, dy, x, weight):
+    dx, dw = sharding.bwd_width_sharded(axes, _tp_total(axes, x), eps, 0, dy, x, weight)
     row_axes = tuple(sorted(varying(x) - varying(weight) - set(axes)))
     dw = jax.lax.psum(vary_like(dw, x), row_axes) if row_axes else vary_like(dw, weight)
     return vary_like(dx, x), dw.astype(weight.dtype)
 
 
-_rms_norm_tp.defvjp(_rms_norm_tp_fwd, _rms_norm_tp_bwd)
+@_tp_backward.defjvp
+def _tp_backward_jvp(axes, eps, primals, tangents):
+    dy, x, weight = primals
+    out = _tp_backward(axes, eps, dy, x, weight)
+    norm = functools.partial(_tp_math, axes, eps, dy.dtype)
+    return out, jax.jvp(lambda dy, x, w: jax.vjp(norm, x, w)[1](dy), primals, tangents)[1]

@@ -233,6 +233,12 @@ def test_readme_jax_training_step():
     for k in params:
         np.testing.assert_allclose(np.asarray(new[k]), np.asarray(params[k] - 1e-2 * g_ref[k]), rtol=1e-5,
                                    atol=1e-6)
+    # its second derivatives (forward mode over the kernels' backward): the reference norm's
+    h_ref = jax.hessian(lambda w: ref({**params, "norm": w}, x, y))(params["norm"])
+    np.testing.assert_allclose(np.asarray(ns["curvature"]), np.asarray(h_ref), rtol=1e-4, atol=1e-6)
+    hvp_ref = jax.jvp(jax.grad(ref), (params, x, y), (params, x, y))[1]
+    for k in params:
+        np.testing.assert_allclose(np.asarray(ns["hvp"][k]), np.asarray(hvp_ref[k]), rtol=1e-4, atol=1e-6)
 
 
 def _ref_norm(x, w):
