@@ -3,7 +3,7 @@
 
 `permute_rows` and `unpermute_rows` are `jax.custom_vjp` functions whose backward is the other one (a
 gather through the inverse permutation, never a scatter-add); the index array is an integer input, so
-its cotangent is None (symbolic zero). Contract and kernels: see `xkern/permute.py`.
+its cotangent is None (symbolic zero). Contract and kernels: see `xkern/permute/`.
 """
 
 from __future__ import annotations

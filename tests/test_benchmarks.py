@@ -310,22 +310,22 @@ def test_index_threshold_times_both_regimes():
     regimes' results equal bit for bit, the forced threshold restored afterwards."""
     from benchmarks import timing
     from tools import index_threshold
-    from xkern import permute as XP
+    from xkern.permute import plans as permute_plans
 
-    saved = XP.ONE_LAUNCH_SLOTS
+    saved = permute_plans.ONE_LAUNCH_SLOTS
     timing.set_smoke(True)
     try:
         rows = index_threshold.measure([4], 16, DEVICE, log=lambda *_: None)
         assert index_threshold.launch_floor_us(DEVICE) > 0
     finally:
         timing.set_smoke(False)
-    assert XP.ONE_LAUNCH_SLOTS == saved
+    assert permute_plans.ONE_LAUNCH_SLOTS == saved
     assert {(r["op"], r["regime"]) for r in rows} == {(op, regime) for op in (
         "unpermute_rows", "inverse_permutation", "generate_permute_indices") for regime in index_threshold.REGIMES}
     assert all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
     assert {(r["regime"], r["launches"]) for r in rows} == {("one launch", 1), ("one launch, 16-row searches", 1),
                                                            ("two launches", 2)}
-    assert XP.SEARCH_ROWS == 64
+    assert permute_plans.SEARCH_ROWS == 64
     assert "| unpermute_rows |" in index_threshold.table(rows)
 
 

@@ -30,20 +30,21 @@ def regime(slots_limit: int, search_rows: int | None = None):
     """Every index op planned with ONE_LAUNCH_SLOTS = `slots_limit` and SEARCH_ROWS = `search_rows` (None: the
     plan's), recipes and eager executors rebuilt."""
     from torch_api._launch import executor_cache
-    from xkern import permute as XP
+    from xkern import permute
+    from xkern.permute import plans as permute_plans
 
     def clear():
-        for recipe in (XP.inverse_recipe, XP.unpermute_recipe, XP.generate_recipe):
+        for recipe in (permute.inverse_recipe, permute.unpermute_recipe, permute.generate_recipe):
             recipe.cache_clear()
 
-    saved = XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS
-    XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = slots_limit, search_rows or XP.SEARCH_ROWS
+    saved = permute_plans.ONE_LAUNCH_SLOTS, permute_plans.SEARCH_ROWS
+    permute_plans.ONE_LAUNCH_SLOTS, permute_plans.SEARCH_ROWS = slots_limit, search_rows or permute_plans.SEARCH_ROWS
     clear()
     try:
         with executor_cache():  # executors built on this regime's plans, apart from the process's
             yield
     finally:
-        XP.ONE_LAUNCH_SLOTS, XP.SEARCH_ROWS = saved
+        permute_plans.ONE_LAUNCH_SLOTS, permute_plans.SEARCH_ROWS = saved
         clear()
 
 

@@ -11,8 +11,8 @@ depend on the tile), but the combine backward's dprobs, whose FP32 sum over a ro
 Each candidate compiles once (about a second); 24 tiles, 48 for each combine: about 3 minutes a size.
 
 Candidates: rows per program (BLOCK_M) x columns per step (BLOCK_H) x warps, and for the combine its loop
-over the copies as a loop (TOP_K 0) or unrolled (TOP_K = top_k); the plans' tiles are `xkern.permute._row_tile`
-(16 KB per step, 8 warps at bf16 1024 columns: the gather) and `xkern.permute._token_tile` (4 rows of 512 bytes,
+over the copies as a loop (TOP_K 0) or unrolled (TOP_K = top_k); the plans' tiles are `xkern.permute.plans._row_tile`
+(16 KB per step, 8 warps at bf16 1024 columns: the gather) and `xkern.permute.plans._token_tile` (4 rows of 512 bytes,
 4 warps: the combines, the combine backward and the token-major kernels).
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from benchmarks import timing
 from benchmarks.moe_layer import SIZES, SMOKE_SIZE, layout, route
-from xkern import permute as XP
+from xkern import permute
 from xkern.launch import bind, cdiv
 
 # permute_rows(top_k) token-major (each token row read once): checked against the gather's result too
@@ -61,19 +61,19 @@ def op_steps(size: dict, device: str):
     dout = torch.randn(t, h, generator=gen).to(device, torch.bfloat16)
     item, valid = 2, rows * h * 2  # bytes of the routed rows (padding slots hold no copy)
     recipes = {
-        "permute_rows(top_k)": (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=False),
+        "permute_rows(top_k)": (permute.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=False),
                                 dict(x=x, idx=slot_copy), t * h * item + n_slots * h * item),
-        TOKEN_MAJOR: (XP.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=True),
+        TOKEN_MAJOR: (permute.permute_recipe(n_slots, h, t, "bfloat16", h, k, "int32", token_major=True),
                       dict(x=x, idx=slot_copy), t * h * item + n_slots * h * item),
-        "copy-sum": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, None),
+        "copy-sum": (permute.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, None),
                      dict(y=y, idx=slot_copy), valid + t * h * item),
-        "weighted combine": (XP.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, "bfloat16"),
+        "weighted combine": (permute.unpermute_recipe(n_slots, h, rows, "bfloat16", h, "int32", k, "bfloat16"),
                              dict(y=y, idx=slot_copy, probs=probs), valid + t * h * item),
-        "combine backward": (XP.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
+        "combine backward": (permute.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
                                                    token_major=False),
                              dict(dout=dout, y=y, idx=slot_copy, probs=probs),
                              t * h * item + valid + n_slots * h * item),
-        BWD_TOKEN_MAJOR: (XP.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
+        BWD_TOKEN_MAJOR: (permute.combine_bwd_recipe(n_slots, h, rows, "bfloat16", h, h, k, "bfloat16", "int32",
                                                 token_major=True),
                           dict(dout=dout, y=y, idx=slot_copy, probs=probs), t * h * item + valid + n_slots * h * item),
     }

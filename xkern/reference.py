@@ -218,7 +218,7 @@ def check(out, ref64, kind: str, abs_ok=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Padded expert row gather for MoE (xkern/permute.py): plain loops over the contract, exact integers.
+# Padded expert row gather for MoE (xkern/permute/): plain loops over the contract, exact integers.
 
 
 def generate_permute_indices(counts, experts_per_rank: int, num_ranks: int, max_len: int,
