@@ -59,8 +59,9 @@ def _rows_like(x):
     return x[:, :1]
 
 
-def _unsplit(n_rows: int, dtype):
-    """An output's rows with nothing to follow (the partitioner then splits them like the output's users)."""
+def _zero_rows(n_rows: int, dtype):
+    """Zeros [n_rows, 1] with no sharding of their own: the row-shape operand of an output whose rows follow no
+    input (the partitioner then splits them like the output's users; `_rows_like` is the one that follows x)."""
     return jnp.zeros((n_rows, 1), dtype)
 
 
@@ -378,7 +379,8 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     num_rows = check_int("num_rows", num_rows)
     if validate:
         contract.check_permutation(concrete("permuted_indices", permuted_indices), num_rows)
-    return vary_like(_inverse(permuted_indices, num_rows, _unsplit(num_rows, permuted_indices.dtype)), permuted_indices)
+    inv = _inverse(permuted_indices, num_rows, _zero_rows(num_rows, permuted_indices.dtype))
+    return vary_like(inv, permuted_indices)
 
 
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
@@ -407,5 +409,5 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:
         return _combine(num_rows, top_k, y, permuted_indices, probs)
     if top_k > 1:
-        return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
-    return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))
+        return _sum_copies(num_rows, top_k, y, permuted_indices, _zero_rows(num_rows // top_k, y.dtype))
+    return _unpermute(num_rows, y, permuted_indices, _zero_rows(num_rows, y.dtype))

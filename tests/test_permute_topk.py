@@ -456,7 +456,7 @@ def test_token_major_dispatch_is_the_gather(dtype):
     want = torch_api.permute_rows(x, idx, top_k=top_k)
     recipe = permute_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32", token_major=True)
     scatter, rows = recipe.steps
-    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
+    (raw,) = run_recipe(Recipe((scatter,), ("slot_of",)), DEVICE, idx=idx)
     out = torch.full((idx.numel(), hidden), float("nan"), dtype=x.dtype, device=DEVICE)
     launch_plan(rows.launch, x, raw, idx, out, **rows.scalars)
     assert same_bits(out, want)
@@ -482,7 +482,7 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     want = run_recipe(combine_bwd_recipe(*args, "int32", token_major=False), DEVICE, dout=dout, y=y, idx=idx,
                       probs=probs)
     scatter, grads = combine_bwd_recipe(*args, "int32", token_major=True).steps
-    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
+    (raw,) = run_recipe(Recipe((scatter,), ("slot_of",)), DEVICE, idx=idx)
     dy = torch.full((idx.numel(), hidden), float("nan"), dtype=dout.dtype, device=DEVICE)
     dprobs = torch.zeros(tokens * top_k, dtype=probs.dtype, device=DEVICE)
     launch_plan(grads.launch, dout, y, raw, idx, probs, dy, dprobs, **grads.scalars)

@@ -1,7 +1,8 @@
 """The permute ops' index kernels (the contract: `xkern.permute`; their plans: `plans.py`).
 
-  _scatter_inverse_kernel  raw[idx[i]] = i for valid slots, into an uninitialised buffer;
-  _settle_inverse_kernel   inv[r] = raw[r] if idx[raw[r]] == r else -1: rows no slot names (dropped past
+  _scatter_inverse_kernel  slot_of[idx[i]] = i for valid slots, into an uninitialised buffer: the slot naming
+                           each row, garbage for rows no slot names (every reader checks idx[slot_of[r]] == r);
+  _verify_inverse_kernel   inv[r] = slot_of[r] if idx[slot_of[r]] == r else -1: rows no slot names (dropped past
                            max_len) get -1 without a pre-fill, which a JAX kernel output cannot have
                            (inverse_permutation);
   _inverse_search_kernel   the same in one launch for up to ONE_LAUNCH_SLOTS slots (`one_launch`): each
@@ -26,20 +27,20 @@ from xkern.permute.kernels import _find_slots
 
 
 @triton.jit
-def _scatter_inverse_kernel(IDX, n_slots, n_rows, RAW, BLOCK: tl.constexpr):
+def _scatter_inverse_kernel(IDX, n_slots, n_rows, SLOT_OF, BLOCK: tl.constexpr):
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = slots < n_slots
     rows = tl.load(IDX + slots, mask=in_bounds, other=-1).to(tl.int64)
     ok = in_bounds & (rows >= 0) & (rows < n_rows)
-    tl.store(RAW + rows, slots.to(RAW.dtype.element_ty), mask=ok)
+    tl.store(SLOT_OF + rows, slots.to(SLOT_OF.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _settle_inverse_kernel(IDX, RAW, n_slots, n_rows, INV, BLOCK: tl.constexpr):
-    # RAW is uninitialised where no slot named the row: keep a value only if it points back at the row.
+def _verify_inverse_kernel(IDX, SLOT_OF, n_slots, n_rows, INV, BLOCK: tl.constexpr):
+    # SLOT_OF is uninitialised where no slot named the row: keep a value only if it points back at the row.
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = rows < n_rows
-    slot = tl.load(RAW + rows, mask=in_bounds, other=-1).to(tl.int64)
+    slot = tl.load(SLOT_OF + rows, mask=in_bounds, other=-1).to(tl.int64)
     ok = in_bounds & (slot >= 0) & (slot < n_slots)
     back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
     ok = ok & (back == rows.to(tl.int64))

@@ -5,16 +5,16 @@
                            launch for up to ONE_LAUNCH_SLOTS slots (`one_launch`): each program finds its rows'
                            slots by scanning all of idx (work rows x slots; saves a launch where the call is
                            host-bound).
-  _gather_settled_rows_kernel  out[r, :] = y[raw[r], :] if idx[raw[r]] == r, else a zero row: unpermute_rows
+  _gather_verified_rows_kernel  out[r, :] = y[slot_of[r], :] if idx[slot_of[r]] == r, else a zero row: unpermute_rows
                            and permute_rows's backward, after `_scatter_inverse_kernel` (index_kernels.py):
-                           two launches, the settle folded into the gather.
+                           two launches, the check folded into the gather.
   _gather_token_rows_kernel  permute_rows with top_k: slot s reads token idx[s] // top_k (x keeps one row per
                            token; no [T * top_k, H] copy);
   _scatter_token_rows_kernel the same, token-major: each token row read once, written to its copies' slots
                            (after _scatter_inverse_kernel); padding slots zeroed by the programs after them.
                            Above ONE_LAUNCH_SLOTS slots (`permute_recipe`);
   _combine_rows_kernel     unpermute_rows with top_k or probs: out[t] = sum_j p[t, j] * y[slot of t * top_k + j]
-                           in FP32, j in order, rounded once, slots through the raw scatter settled on the fly
+                           in FP32, j in order, rounded once, slots through the inverse scatter verified on the fly
                            (after _scatter_inverse_kernel: two launches); also permute_rows(top_k)'s backward;
   _combine_bwd_kernel      the weighted combine's backward, per slot: dy[s] = p * dout[t] and dprobs[r] =
                            sum_h y[s, h] * dout[t, h] (FP32) from one read of each row, no atomics;
@@ -78,21 +78,21 @@ def _gather_rows_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "n_src_rows", "src_row_stride"])
-def _gather_settled_rows_kernel(
-    SRC, RAW, IDX,
+def _gather_verified_rows_kernel(
+    SRC, SLOT_OF, IDX,
     n_rows, n_cols, n_src_rows, src_row_stride,
     OUT,
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # unpermute's gather through RAW, `_scatter_inverse_kernel`'s output, settled on the fly (one launch
-    # fewer than settling into an inverse first): row r reads slot RAW[r] only if IDX[that slot] == r, so
-    # RAW's uninitialised entries (rows no slot names) give zero rows. SRC has one row per slot.
+    # unpermute's gather through SLOT_OF, `_scatter_inverse_kernel`'s output, verified on the fly (one launch
+    # fewer than verifying into an inverse first): row r reads slot SLOT_OF[r] only if IDX[that slot] == r, so
+    # SLOT_OF's uninitialised entries (rows no slot names) give zero rows. SRC has one row per slot.
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
     src_row_stride = src_row_stride // ROW_ALIGN * ROW_ALIGN
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
-    slot = tl.load(RAW + rows, mask=row_mask, other=-1).to(tl.int64)
+    slot = tl.load(SLOT_OF + rows, mask=row_mask, other=-1).to(tl.int64)
     ok = row_mask & (slot >= 0) & (slot < n_src_rows)
     back = tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64)
     hit = ok & (back == rows.to(tl.int64))
@@ -119,9 +119,9 @@ def _gather_token_rows_kernel(
 
 
 @triton.jit
-def _settled_slot(RAW, IDX, copy, tok_mask, n_slots):
-    # The slot of each `copy` (RAW[copy], the raw scatter's) where IDX names the copy there, and that mask.
-    slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+def _verified_slot(SLOT_OF, IDX, copy, tok_mask, n_slots):
+    # The slot of each `copy` (SLOT_OF[copy], the inverse scatter's) where IDX names the copy there, and that mask.
+    slot = tl.load(SLOT_OF + copy, mask=tok_mask, other=-1).to(tl.int64)
     ok = tok_mask & (slot >= 0) & (slot < n_slots)
     return slot, ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
 
@@ -141,14 +141,14 @@ def _zero_padding_rows(OUT, IDX, block, n_slots, n_copies, n_cols, BLOCK_M: tl.c
 
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "src_row_stride", "token_programs"])
 def _scatter_token_rows_kernel(
-    SRC, RAW, IDX,
+    SRC, SLOT_OF, IDX,
     n_tokens, n_cols, n_slots, src_row_stride, token_programs,
     OUT,
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr,
 ):
     # permute_rows(top_k) token-major (`permute_recipe`): the first `token_programs` programs read
-    # BLOCK_M token rows once and write each to the slots of its TOP_K copies (RAW[copy], settled by IDX as in
+    # BLOCK_M token rows once and write each to the slots of its TOP_K copies (SLOT_OF[copy], verified against IDX as in
     # the combine: a copy with no slot writes nothing), where the gather reads a token row once per copy; the
     # programs after them write the zero rows of the padding slots (IDX naming no copy).
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
@@ -164,10 +164,10 @@ def _scatter_token_rows_kernel(
             col_mask = (cols < n_cols)[None, :]
             vals = tl.load(src_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0)
             for j in tl.static_range(TOP_K):
-                # `_settled_slot` written out: a store through a call's result counts, in torch.compile's
-                # access analysis, as a write to every pointer passed to the call (here RAW and IDX)
+                # `_verified_slot` written out: a store through a call's result counts, in torch.compile's
+                # access analysis, as a write to every pointer passed to the call (here SLOT_OF and IDX)
                 copy = first + j
-                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                slot = tl.load(SLOT_OF + copy, mask=tok_mask, other=-1).to(tl.int64)
                 ok = tok_mask & (slot >= 0) & (slot < n_slots)
                 hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
                 tl.store(OUT + slot[:, None] * n_cols + cols[None, :], vals, mask=hit[:, None] & col_mask)
@@ -177,10 +177,10 @@ def _scatter_token_rows_kernel(
 
 
 @triton.jit
-def _combine_copy(SRC, RAW, IDX, PROBS, copy, tok_mask, n_src_rows, src_row_stride, cols, col_mask,
+def _combine_copy(SRC, SLOT_OF, IDX, PROBS, copy, tok_mask, n_src_rows, src_row_stride, cols, col_mask,
                   HAS_PROBS: tl.constexpr):
     # One routed copy's term of `_combine_rows_kernel`, FP32: p * SRC[its slot], 0 where it has none.
-    slot, hit = _settled_slot(RAW, IDX, copy, tok_mask, n_src_rows)
+    slot, hit = _verified_slot(SLOT_OF, IDX, copy, tok_mask, n_src_rows)
     vals = tl.load(SRC + slot[:, None] * src_row_stride + cols[None, :], mask=hit[:, None] & col_mask,
                    other=0.0).to(tl.float32)
     if HAS_PROBS:
@@ -190,15 +190,15 @@ def _combine_copy(SRC, RAW, IDX, PROBS, copy, tok_mask, n_src_rows, src_row_stri
 
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_src_rows", "src_row_stride", "top_k"])
 def _combine_rows_kernel(
-    SRC, RAW, IDX, PROBS,
+    SRC, SLOT_OF, IDX, PROBS,
     n_tokens, n_cols, n_src_rows, src_row_stride, top_k,
     OUT,
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, HAS_PROBS: tl.constexpr, TOP_K: tl.constexpr,
 ):
     # out[t] = sum_j p[t, j] * SRC[slot of copy t * top_k + j], FP32 in j order, one rounding. The slot is
-    # RAW[copy] (`_scatter_inverse_kernel`'s output) if IDX names the copy there, as in
-    # _gather_settled_rows_kernel: a dropped copy (no slot) adds 0. Without HAS_PROBS, p = 1 (PROBS unread).
+    # SLOT_OF[copy] (`_scatter_inverse_kernel`'s output) if IDX names the copy there, as in
+    # _gather_verified_rows_kernel: a dropped copy (no slot) adds 0. Without HAS_PROBS, p = 1 (PROBS unread).
     # TOP_K 0: a loop of top_k steps, each waiting on its slot, index and row loads; TOP_K = top_k: the loop
     # unrolled, every copy's loads free to be in flight together (the same sums, in the same order).
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
@@ -213,11 +213,11 @@ def _combine_rows_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
         if TOP_K == 0:  # more than MAX_UNROLL_K copies
             for j in range(top_k):  # the slot lookups are re-read per column chunk: cache hits, no [M, k] tile
-                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
+                acc += _combine_copy(SRC, SLOT_OF, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
                                      col_mask, HAS_PROBS)
         else:
             for j in tl.static_range(TOP_K):
-                acc += _combine_copy(SRC, RAW, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
+                acc += _combine_copy(SRC, SLOT_OF, IDX, PROBS, first + j, tok_mask, n_src_rows, src_row_stride, cols,
                                      col_mask, HAS_PROBS)
         tl.store(out_ptr + cols[None, :], acc.to(OUT.dtype.element_ty), mask=tok_mask[:, None] & col_mask)
 
@@ -259,15 +259,15 @@ def _combine_bwd_kernel(
 @triton.jit(do_not_specialize=["n_tokens", "n_cols", "n_slots", "dout_row_stride", "y_row_stride",
                                "token_programs"])
 def _combine_bwd_token_kernel(
-    DOUT, Y, RAW, IDX, PROBS,
+    DOUT, Y, SLOT_OF, IDX, PROBS,
     n_tokens, n_cols, n_slots, dout_row_stride, y_row_stride, token_programs,
     DY, DPROBS,
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
 ):
     # `_combine_bwd_kernel` token-major (`combine_bwd_recipe`): the first `token_programs` programs
-    # read BLOCK_M rows of DOUT once and, for each of their TOP_K copies with a slot (RAW settled by IDX), write
-    # DY[slot] = p * DOUT[t] and sum DPROBS[copy] = sum_h Y[slot, h] * DOUT[t, h] in FP32, chunk by chunk as
+    # read BLOCK_M rows of DOUT once and, for each of their TOP_K copies with a slot (SLOT_OF verified against
+    # IDX), write DY[slot] = p * DOUT[t] and sum DPROBS[copy] = sum_h Y[slot, h] * DOUT[t, h] in FP32, chunk by chunk as
     # the slot-major kernel does; the programs after them write the zero rows of the padding slots. DPROBS
     # arrives zero-filled (dropped copies).
     n_cols = n_cols // ROW_ALIGN * ROW_ALIGN
@@ -285,9 +285,9 @@ def _combine_bwd_token_kernel(
             cols = start + tl.arange(0, BLOCK_H)
             col_mask = (cols < n_cols)[None, :]
             d = tl.load(dout_ptr + cols[None, :], mask=tok_mask[:, None] & col_mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(TOP_K):  # `_settled_slot` written out, as in _scatter_token_rows_kernel
+            for j in tl.static_range(TOP_K):  # `_verified_slot` written out, as in _scatter_token_rows_kernel
                 copy = first + j
-                slot = tl.load(RAW + copy, mask=tok_mask, other=-1).to(tl.int64)
+                slot = tl.load(SLOT_OF + copy, mask=tok_mask, other=-1).to(tl.int64)
                 ok = tok_mask & (slot >= 0) & (slot < n_slots)
                 hit = ok & (tl.load(IDX + slot, mask=ok, other=-1).to(tl.int64) == copy)
                 p = tl.load(PROBS + copy, mask=hit, other=0.0).to(tl.float32)
@@ -297,7 +297,7 @@ def _combine_bwd_token_kernel(
                          mask=hit[:, None] & col_mask)
                 dots = tl.where(ks == j, dots + tl.sum(y * d, axis=1)[:, None], dots)
         for j in tl.static_range(TOP_K):  # the call's result only masks the store here
-            _, hit = _settled_slot(RAW, IDX, first + j, tok_mask, n_slots)
+            _, hit = _verified_slot(SLOT_OF, IDX, first + j, tok_mask, n_slots)
             dot = tl.sum(tl.where(ks == j, dots, 0.0), axis=1)
             tl.store(DPROBS + first + j, dot.to(DPROBS.dtype.element_ty), mask=hit)
     else:

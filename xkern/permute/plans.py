@@ -13,15 +13,15 @@ from xkern.permute.index_kernels import (
     _route_fill_kernel,
     _route_tables_kernel,
     _scatter_inverse_kernel,
-    _settle_inverse_kernel,
+    _verify_inverse_kernel,
 )
 from xkern.permute.kernels import (
     _combine_bwd_kernel,
     _combine_bwd_token_kernel,
     _combine_rows_kernel,
     _gather_rows_kernel,
-    _gather_settled_rows_kernel,
     _gather_token_rows_kernel,
+    _gather_verified_rows_kernel,
     _scatter_token_rows_kernel,
 )
 
@@ -38,23 +38,24 @@ def one_launch(n_slots: int) -> bool:
     """The index ops' regime rule: up to ONE_LAUNCH_SLOTS slots (decode steps, small batches: host-bound
     calls) inverse_permutation and unpermute_rows take one launch whose programs each scan every slot, and
     generate_permute_indices one program for its tables and its slots; above it (device-bound) the scatter
-    then the settle or the settled gather, and the tables then the parallel fill: two launches each."""
+    then the verify pass or the verified gather, and the tables then the parallel fill: two launches each."""
     return n_slots <= ONE_LAUNCH_SLOTS
 
 
 def plan_gather_rows(n_rows: int, n_cols: int, elem_size: int, src_row_stride: int | None = None,
-                     settled: bool = False, search: bool = False) -> Launch:
+                     through_scatter: bool = False, search: bool = False) -> Launch:
     """`out[i, :] = src[idx[i], :]` for `n_rows` output rows of `n_cols` elements of `elem_size` bytes.
 
-    Arrays `(src, idx, out)`, or with `settled` `(src, raw, idx, out)` (unpermute's gather through the raw
-    scatter); with `search` `(src, idx, out)` is unpermute's whole gather, `out[r] = src[slot naming r]`
-    (`one_launch`); scalars `n_rows, n_cols, n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols],
-    src's last dim contiguous (its row stride defaults to n_cols)."""
+    Arrays `(src, idx, out)`, or with `through_scatter` `(src, slot_of, idx, out)` (unpermute's gather through
+    the inverse scatter's slot_of, each entry verified against idx); with `search` `(src, idx, out)` is
+    unpermute's whole gather, `out[r] = src[slot naming r]` (`one_launch`); scalars `n_rows, n_cols,
+    n_src_rows, src_row_stride`; out is contiguous [n_rows, n_cols], src's last dim contiguous (its row stride
+    defaults to n_cols)."""
     align = row_align(n_cols, n_cols if src_row_stride is None else src_row_stride)
     block_m, block_h, num_warps = _row_tile(n_cols, elem_size)
     constexprs = {"ROW_ALIGN": align, "BLOCK_M": block_m, "BLOCK_H": block_h}
-    if settled:
-        return Launch(_gather_settled_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
+    if through_scatter:
+        return Launch(_gather_verified_rows_kernel, (max(1, cdiv(n_rows, block_m)),), num_warps, constexprs)
     if search:  # fewer rows per program (each scans every slot), at least 4 warps for the scan
         block_m, num_warps = min(block_m, SEARCH_ROWS), max(num_warps, 4)
     constexprs.update(BLOCK_M=block_m, BLOCK_S=_search_block(block_m, num_warps) if search else 0)
@@ -96,7 +97,7 @@ def plan_gather_token_rows(n_rows: int, n_cols: int, elem_size: int, src_row_str
 
 def plan_combine(n_tokens: int, n_cols: int, elem_size: int, src_row_stride: int, has_probs: bool,
                  top_k: int) -> Launch:
-    """The weighted combine: arrays `(src, raw, idx, probs, out)` (probs: idx again without probs), scalars
+    """The weighted combine: arrays `(src, slot_of, idx, probs, out)` (probs: idx again without probs), scalars
     `n_tokens, n_cols, n_src_rows, src_row_stride, top_k`; BLOCK_M tokens per program, each summing its
     top_k slot rows chunk by chunk into an FP32 tile (`_token_tile`), the copies unrolled (TOP_K) up to
     MAX_UNROLL_K of them."""
@@ -118,7 +119,7 @@ def plan_combine_bwd(n_slots: int, n_cols: int, elem_size: int, dout_row_stride:
 
 def plan_scatter_token_rows(n_tokens: int, n_slots: int, n_cols: int, elem_size: int, src_row_stride: int,
                             top_k: int) -> tuple[Launch, int]:
-    """permute_rows(top_k) token-major: arrays `(src, raw, idx, out)`, scalars `n_tokens, n_cols, n_slots,
+    """permute_rows(top_k) token-major: arrays `(src, slot_of, idx, out)`, scalars `n_tokens, n_cols, n_slots,
     src_row_stride, token_programs`; the launch and its `token_programs` (the programs that read token rows;
     those after them zero the padding slots)."""
     block_m, block_h, num_warps = _token_tile(n_cols, elem_size)
@@ -130,7 +131,7 @@ def plan_scatter_token_rows(n_tokens: int, n_slots: int, n_cols: int, elem_size:
 
 def plan_combine_bwd_token(n_tokens: int, n_slots: int, n_cols: int, elem_size: int, dout_row_stride: int,
                            y_row_stride: int, top_k: int) -> tuple[Launch, int]:
-    """The weighted combine's backward token-major: arrays `(dout, y, raw, idx, probs, dy, dprobs)`, scalars
+    """The weighted combine's backward token-major: arrays `(dout, y, slot_of, idx, probs, dy, dprobs)`, scalars
     `n_tokens, n_cols, n_slots, dout_row_stride, y_row_stride, token_programs`; the launch and its
     `token_programs`, as `plan_scatter_token_rows`."""
     block_m, block_h, num_warps = _token_tile(n_cols, elem_size)
@@ -145,16 +146,16 @@ def _search_block(rows: int, num_warps: int) -> int:
 
 
 def plan_inverse(n_slots: int, n_rows: int) -> tuple[Launch, ...]:
-    """Scatter `raw[idx[i]] = i` over `n_slots` slots, then settle `inv` over `n_rows` rows; or, when
+    """Scatter `slot_of[idx[i]] = i` over `n_slots` slots, then verify `inv` over `n_rows` rows; or, when
     `one_launch(n_slots)`, the one search launch.
 
-    Arrays and scalars: scatter `(idx, raw)`, settle `(idx, raw, inv)`, search `(idx, inv)`, all with
+    Arrays and scalars: scatter `(idx, slot_of)`, verify `(idx, slot_of, inv)`, search `(idx, inv)`, all with
     `n_slots, n_rows`."""
     if one_launch(n_slots):
         return (Launch(_inverse_search_kernel, (max(1, cdiv(n_rows, SEARCH_ROWS)),), 4,
                        {"BLOCK": SEARCH_ROWS, "BLOCK_S": _search_block(SEARCH_ROWS, 4)}),)
     return plan_scatter_inverse(n_slots), \
-        Launch(_settle_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
+        Launch(_verify_inverse_kernel, (max(1, cdiv(n_rows, INDEX_BLOCK)),), 4, {"BLOCK": INDEX_BLOCK})
 
 
 def plan_scatter_inverse(n_slots: int) -> Launch:

@@ -116,18 +116,19 @@ def check_gather_sizes(n_slots: int, num_rows: int | None = None) -> None:
 
 
 def _gather_steps(src: str, idx: str, out: str, n_out: int, n_cols: int, n_src_rows: int, dtype: str,
-                  src_row_stride: int, raw: str | None = None, search: bool = False) -> tuple[Step, ...]:
-    """The gather into `out`; with `raw`, through that scatter of `idx` (unpermute: settled in the gather);
+                  src_row_stride: int, slot_of: str | None = None, search: bool = False) -> tuple[Step, ...]:
+    """The gather into `out`; with `slot_of`, through that scatter of `idx` (unpermute: verified in the gather);
     with `search`, unpermute's one-launch form."""
     if n_out * n_cols == 0 or n_src_rows == 0:  # nothing to read: every row is a zero row
         return (Step(None, (), (Buffer(out, (n_out, n_cols), dtype, fill=0),)),)
-    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, settled=raw is not None, search=search)
-    return (Step(plan, (src, idx) if raw is None else (src, raw, idx), (Buffer(out, (n_out, n_cols), dtype),),
+    plan = plan_gather_rows(n_out, n_cols, ITEMSIZE[dtype], src_row_stride, through_scatter=slot_of is not None,
+                            search=search)
+    return (Step(plan, (src, idx) if slot_of is None else (src, slot_of, idx), (Buffer(out, (n_out, n_cols), dtype),),
                  dict(n_rows=n_out, n_cols=n_cols, n_src_rows=n_src_rows, src_row_stride=src_row_stride)),)
 
 
 def _scatter_step(idx: str, n_slots: int, num_rows: int, index_dtype: str) -> Step:
-    return Step(plan_scatter_inverse(n_slots), (idx,), (Buffer("raw", (num_rows,), index_dtype),),
+    return Step(plan_scatter_inverse(n_slots), (idx,), (Buffer("slot_of", (num_rows,), index_dtype),),
                 dict(n_slots=n_slots, n_rows=num_rows))
 
 
@@ -139,7 +140,7 @@ def _inverse_steps(idx: str, inv: str, n_slots: int, num_rows: int, index_dtype:
     scalars = dict(n_slots=n_slots, n_rows=num_rows)
     if not scatter:  # the search: one launch
         return (Step(last, (idx,), out, scalars),)
-    return (_scatter_step(idx, n_slots, num_rows, index_dtype), Step(last, (idx, "raw"), out, scalars))
+    return (_scatter_step(idx, n_slots, num_rows, index_dtype), Step(last, (idx, "slot_of"), out, scalars))
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
@@ -148,7 +149,7 @@ def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_r
     """Inputs x [n_src_rows, n_cols] (last dim contiguous, rows `src_row_stride` apart) and idx [n_slots] of
     `index_dtype`; result out [n_slots, n_cols] contiguous. With top_k > 1, x holds one row per token and idx
     names routed copies (slot s reads row idx[s] // top_k): up to ONE_LAUNCH_SLOTS slots one gather launch
-    (host-bound calls), above it token-major (the same result: the raw scatter of idx, then
+    (host-bound calls), above it token-major (the same result: the inverse scatter of idx, then
     `_scatter_token_rows_kernel`, which reads each token row once where the gather reads it once per copy);
     `token_major` True or False forces a form (`tools.moe_probe` times both)."""
     check_gather_sizes(n_slots)
@@ -170,7 +171,7 @@ def _permute_token_major(n_slots: int, n_cols: int, n_src_rows: int, dtype: str,
     check_gather_sizes(n_slots, n_src_rows * top_k)
     plan, token_programs = plan_scatter_token_rows(n_src_rows, n_slots, n_cols, ITEMSIZE[dtype], src_row_stride,
                                                    top_k)
-    rows = Step(plan, ("x", "raw", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
+    rows = Step(plan, ("x", "slot_of", "idx"), (Buffer("out", (n_slots, n_cols), dtype),),
                 dict(n_tokens=n_src_rows, n_cols=n_cols, n_slots=n_slots, src_row_stride=src_row_stride,
                      token_programs=token_programs))
     return Recipe((_scatter_step("idx", n_slots, n_src_rows * top_k, index_dtype), rows), ("out",))
@@ -189,12 +190,12 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
     """Every form of unpermute_rows, chosen here and nowhere else (the front ends call this one entry):
 
     - top_k == 1, no probs: the gather. Inputs y [n_slots, n_cols] (as x of `permute_recipe`) and idx
-      [n_slots]; result out [num_rows, n_cols]: the raw scatter of the inverse permutation, then the gather
-      through it (settled there); or, when `one_launch(n_slots)`, one launch.
+      [n_slots]; result out [num_rows, n_cols]: the inverse scatter of the inverse permutation, then the gather
+      through it (verified there); or, when `one_launch(n_slots)`, one launch.
     - top_k > 1, no probs (probs_dtype None): the copy-sum, out [num_rows // top_k, n_cols], each token's
       top_k copies summed in FP32.
     - probs (probs_dtype given, input probs [num_rows], flat): the weighted combine, out [num_rows // top_k,
-      n_cols]. Both: the raw scatter, then `_combine_rows_kernel`.
+      n_cols]. Both: the inverse scatter, then `_combine_rows_kernel`.
     The backward: `permute_recipe(..., top_k)` without probs (dy only), `combine_bwd_recipe` with them."""
     check_gather_sizes(n_slots, num_rows)
     if top_k > 1 or probs_dtype is not None:
@@ -202,7 +203,7 @@ def unpermute_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_r
     if one_launch(n_slots):
         return Recipe(_gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride,
                                     search=True), ("out",))
-    gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, raw="raw")
+    gather = _gather_steps("y", "idx", "out", num_rows, n_cols, n_slots, dtype, src_row_stride, slot_of="slot_of")
     if gather[0].launch is None:  # nothing to read: zero rows, no scatter
         return Recipe(gather, ("out",))
     return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), *gather), ("out",))
@@ -215,7 +216,7 @@ def _combine_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, src_ro
     if n_tokens * n_cols == 0 or n_slots == 0:  # nothing to read: zero rows
         return Recipe((Step(None, (), (dataclasses.replace(out, fill=0),)),), ("out",))
     plan = plan_combine(n_tokens, n_cols, ITEMSIZE[dtype], src_row_stride, probs_dtype is not None, top_k)
-    combine = Step(plan, ("y", "raw", "idx", "idx" if probs_dtype is None else "probs"), (out,),
+    combine = Step(plan, ("y", "slot_of", "idx", "idx" if probs_dtype is None else "probs"), (out,),
                    dict(n_tokens=n_tokens, n_cols=n_cols, n_src_rows=n_slots, src_row_stride=src_row_stride,
                         top_k=top_k))
     return Recipe((_scatter_step("idx", n_slots, num_rows, index_dtype), combine), ("out",))
@@ -230,7 +231,7 @@ def combine_bwd_recipe(n_slots: int, n_cols: int, num_rows: int, dtype: str, dou
     results dy [n_slots, n_cols] (y's dtype: p * dout[t] rounded once, zero rows at padding) and dprobs
     [num_rows] (probs' dtype: sum_h y[slot, h] * dout[t, h] in FP32, zero for dropped copies). Up to
     ONE_LAUNCH_SLOTS slots (or top_k 1) one slot-major launch, above it token-major (bitwise the same results:
-    the raw scatter of idx, then `_combine_bwd_token_kernel`, which reads each dout row once where the
+    the inverse scatter of idx, then `_combine_bwd_token_kernel`, which reads each dout row once where the
     slot-major kernel reads it once per copy); `token_major` True or False forces a form."""
     check_gather_sizes(n_slots, num_rows)
     dy = Buffer("dy", (n_slots, n_cols), dtype)
@@ -251,7 +252,7 @@ def _combine_bwd_token_major(n_slots: int, n_cols: int, num_rows: int, dtype: st
     n_tokens = num_rows // top_k
     plan, token_programs = plan_combine_bwd_token(n_tokens, n_slots, n_cols, ITEMSIZE[dtype], dout_row_stride,
                                                   y_row_stride, top_k)
-    grads = Step(plan, ("dout", "y", "raw", "idx", "probs"),
+    grads = Step(plan, ("dout", "y", "slot_of", "idx", "probs"),
                  (Buffer("dy", (n_slots, n_cols), dtype), Buffer("dprobs", (num_rows,), probs_dtype, fill=0)),
                  dict(n_tokens=n_tokens, n_cols=n_cols, n_slots=n_slots, dout_row_stride=dout_row_stride,
                       y_row_stride=y_row_stride, token_programs=token_programs))

@@ -34,7 +34,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
             if key in seen:
                 continue
             seen.add(key)
-            settled = plan_gather_rows(1024, 1 << log_cols, elem_size, settled=True)
+            verified = plan_gather_rows(1024, 1 << log_cols, elem_size, through_scatter=True)
             search = plan_gather_rows(1024, 1 << log_cols, elem_size, search=True)
             for dtype in dtypes:
                 for index in ("*i32", "*i64"):
@@ -42,7 +42,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                            "n_src_rows": "i32", "src_row_stride": "i64", "BLOCK_M": "constexpr",
                            "BLOCK_H": "constexpr"}
                     variants.append((plan, sig))
-                    variants.append((settled, {**sig, "RAW": index}))
+                    variants.append((verified, {**sig, "SLOT_OF": index}))
                     variants.append((search, {**sig, "BLOCK_S": "constexpr"}))
     dtype_of = {ptr: name for name, ptr in POINTER_TYPES.items()}
     for elem_size, dtypes in ptr.items():  # the top_k forms: the narrowest, a middle and the chunked tiles
@@ -58,7 +58,7 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                     for probs in (None, "*fp32", "*bf16"):
                         for top_k in top_ks:
                             combine = plan_combine(1024, n_cols, elem_size, n_cols, probs is not None, top_k)
-                            variants.append((combine, {"SRC": dtype, "OUT": dtype, "RAW": index,
+                            variants.append((combine, {"SRC": dtype, "OUT": dtype, "SLOT_OF": index,
                                                        "PROBS": probs or index, **rows}))
                         # dprobs in probs' dtype; and in fp32 for 16-bit probs (jax_api's combine backward with
                         # the hidden dim sharded sums the shards' dprobs in fp32 before rounding once)
@@ -70,18 +70,18 @@ def compile_variants() -> list[tuple[Launch, dict]]:
                                 for top_k in (2, MAX_UNROLL_K):
                                     steps = combine_bwd_recipe(1024, n_cols, 1024, dtype_of[dtype], n_cols, n_cols,
                                                                top_k, dtype_of[probs], token_major=True).steps
-                                    variants.append((steps[-1].launch, {**ptrs, "RAW": index}))
+                                    variants.append((steps[-1].launch, {**ptrs, "SLOT_OF": index}))
                     if n_cols in (1, 128, 7168):
                         for top_k in (2, MAX_UNROLL_K):
                             steps = permute_recipe(1024, n_cols, 1024, dtype_of[dtype], n_cols, top_k,
                                                    token_major=True).steps
-                            variants.append((steps[-1].launch, {"SRC": dtype, "RAW": index, "OUT": dtype, **rows}))
+                            variants.append((steps[-1].launch, {"SRC": dtype, "SLOT_OF": index, "OUT": dtype, **rows}))
     for index in ("*i32", "*i64"):
-        scatter, settle = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
+        scatter, verify = plan_inverse(ONE_LAUNCH_SLOTS + 1, 4096)
         (search,) = plan_inverse(ONE_LAUNCH_SLOTS, 4096)
-        variants.append((scatter, {"IDX": index, "RAW": index, "n_slots": "i32", "n_rows": "i32",
+        variants.append((scatter, {"IDX": index, "SLOT_OF": index, "n_slots": "i32", "n_rows": "i32",
                                    "BLOCK": "constexpr"}))
-        variants.append((settle, {"IDX": index, "RAW": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
+        variants.append((verify, {"IDX": index, "SLOT_OF": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr"}))
         variants.append((search, {"IDX": index, "INV": index, "n_slots": "i32", "n_rows": "i32",
                                   "BLOCK": "constexpr", "BLOCK_S": "constexpr"}))
