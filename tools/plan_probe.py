@@ -24,11 +24,14 @@ import unittest.mock
 
 from benchmarks.rms_norm import SWEEP_WIDTHS as _SWEEP_WIDTHS
 from xkern import add_rms_norm as XA  # the fused add's recipes take RMSNorm's plans by name
-from xkern.launch import NUM_SMS, Launch, cdiv
+from xkern.device import properties
+from xkern.launch import Launch, cdiv
 from xkern.rms_norm import BwdPlan, plan_dw_reduce, split_row
 from xkern.rms_norm import plans as rms_norm_plans
 from xkern.rms_norm import recipes as XR  # the recipes' module: where `_use` puts candidate plans
 from xkern.rms_norm.kernels import _rms_norm_bwd_row_kernel, _rms_norm_fwd_chunked_kernel, _rms_norm_fwd_row_kernel
+
+NUM_SMS = properties().num_sms  # this GPU's (the plans' own grids read it there too)
 
 PLAN_FWD, PLAN_BWD = XR.plan_rms_norm_fwd, XR.plan_rms_norm_bwd
 
@@ -90,7 +93,7 @@ def bwd_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", 
 
 
 def bwd_tile_before(n_rows, n_cols, eps, row_strides=(), n_batch=1, variant="llama", *, streams=2, itemsize=2, **_):
-    """The backward's plan before its rules for masked widths (BWD_NINE, BWD_FIVE): the prefetching tiles."""
+    """The backward's plan before its rules for masked widths (BWD_ROW_9X64, BWD_ROW_5X1024): the prefetching tiles."""
     with unittest.mock.patch.object(rms_norm_plans, "bwd_masked_row", lambda n_cols, itemsize: None):
         return PLAN_BWD(n_rows, n_cols, eps, row_strides, n_batch, variant, streams=streams, itemsize=itemsize)
 

@@ -23,7 +23,10 @@ import triton
 
 from benchmarks.rms_norm import SHAPES, SWEEP_ELEMS, SWEEP_WIDTHS
 from xkern.compile_check import TARGET, sass, source
+from xkern.device import properties
 from xkern.rms_norm import plans as K
+
+NUM_SMS = properties().num_sms  # this GPU's (the plans' own grids read it there too)
 
 PTRS = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "DW_PARTIAL": "*fp32",
         "DW": "*bf16", "STATS": "*fp32"}
@@ -71,7 +74,7 @@ def resources(compiled, launch, n_cols: int, tensors: int) -> dict:
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = re.search(r"(\d+) bytes spill stores", info)
     per_sm = occupancy(regs, launch.num_warps)
-    resident = min(per_sm, -(-math.prod(launch.grid) // K.NUM_SMS))  # a persistent grid may launch fewer
+    resident = min(per_sm, -(-math.prod(launch.grid) // NUM_SMS))  # a persistent grid may launch fewer
     c = launch.constexprs
     elems = c.get("BLOCK_M", 1) * min(n_cols, c["BLOCK_N"] * c.get("SPLIT", 1))  # column splits hold a chunk
     return {"regs": regs, "spill": int(spill.group(1)) if spill else 0, "per_sm": per_sm, "resident": resident,
@@ -86,7 +89,7 @@ def _row(name: str, launch, n_cols: int) -> list[str]:
     tile = f"{rows}×{launch.constexprs['BLOCK_N']}" + (f"×{split}" if split > 1 else "")
     return [name, launch.kernel.fn.__name__.removeprefix("_rms_norm_").removesuffix("_kernel"), tile,
             str(launch.num_warps), str(r["regs"]), str(r["spill"]), str(r["per_sm"]),
-            str(r["per_sm"] * launch.num_warps), f"{grid / max(1, r['per_sm'] * K.NUM_SMS):.1f}",
+            str(r["per_sm"] * launch.num_warps), f"{grid / max(1, r['per_sm'] * NUM_SMS):.1f}",
             f"{r['in_flight_kb']:.0f}"]
 
 
@@ -117,7 +120,7 @@ def candidates():
                 for b, k, nw, ps, h in cands]:
             compiled = compile_sm90(launch)
             r = resources(compiled, launch, n, 2)
-            ask = -(-math.prod(launch.grid) // K.NUM_SMS)
+            ask = -(-math.prod(launch.grid) // NUM_SMS)
             per_element = sass_loop(compiled) * 32 * launch.num_warps / r["elems"]
             print(f"| {n} | {name} | {launch.num_warps} | {r['regs']} | {r['spill']} | {r['resident']} ({ask}) "
                   f"| {r['in_flight_kb']:.0f} | {per_element:.1f} |", flush=True)

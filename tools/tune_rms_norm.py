@@ -28,10 +28,13 @@ import torch
 
 from benchmarks import timing
 from benchmarks.rms_norm import EPS, SHAPES
-from xkern.launch import NUM_SMS, Launch, cdiv, next_pow2, row_align
+from xkern.device import properties
+from xkern.launch import Launch, cdiv, next_pow2, row_align
 from xkern.rms_norm import kernels as KN
 from xkern.rms_norm import plans as K
 from xkern.testing import launch as launch_plan
+
+NUM_SMS = properties().num_sms  # this GPU's (the plans' own grids read it there too)
 
 DEVICE = os.environ.get("XKERN_TUNE_DEVICE", "cuda")  # "cpu": a smoke run under TRITON_INTERPRET=1
 

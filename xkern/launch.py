@@ -21,11 +21,6 @@ import threading
 import warnings
 from typing import Any
 
-# Programs a persistent kernel launches at most. Fixed (the H100/H200 SM count times a small occupancy
-# factor applied by each plan) rather than read from the device, so that reductions over per-program
-# partials are summed in the same order on every machine and every front end.
-NUM_SMS = 132
-
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

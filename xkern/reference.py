@@ -341,7 +341,7 @@ def check_sum(got: np.ndarray, ref64: np.ndarray, mag64: np.ndarray, n_terms: in
 
 
 # ---------------------------------------------------------------------------------------------------
-# Grouped GEMM over the padded expert-major layout (xkern/grouped_mm.py), in float64.
+# Grouped GEMM over the padded expert-major layout (xkern/grouped_mm/), in float64.
 
 
 def _expert_blocks(m_offsets, n_slots: int):
