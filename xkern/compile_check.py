@@ -119,9 +119,9 @@ def variants(props: device.DeviceProperties) -> dict:
 
 
 def sample(found: dict) -> dict:
-    """A few variants per kernel, those that press hardest on the limits: the most pipeline stages with the
-    largest tile, the most tile elements a thread, and the most warps (tiles: the product of the BLOCK_* and
-    SPLIT constexprs)."""
+    """A few variants per kernel, those that press hardest on the limits: the largest tile at each pipeline
+    depth, the most tile elements a thread, and the most warps (tiles: the product of the BLOCK_* and SPLIT
+    constexprs)."""
     def tile(key):
         return math.prod(v for k, v in key[2] if k.startswith("BLOCK_") or k == "SPLIT")
 
@@ -130,7 +130,8 @@ def sample(found: dict) -> dict:
         picks.setdefault(key[0], []).append(key)
     chosen = set()
     for keys in picks.values():
-        chosen.add(max(keys, key=lambda k: (k[4], tile(k))))
+        for stages in {k[4] for k in keys}:
+            chosen.add(max((k for k in keys if k[4] == stages), key=tile))
         chosen.add(max(keys, key=lambda k: tile(k) / k[3]))
         chosen.add(max(keys, key=lambda k: (k[3], tile(k))))
     return {k: v for k, v in found.items() if k in chosen}
