@@ -60,11 +60,16 @@ def signature(launch, pointer_types: dict) -> tuple[dict, dict]:
 def sass(compiled, *flags: str) -> str:
     """cuobjdump's SASS listing of a compiled kernel's cubin (the cuobjdump bundled with Triton); `flags` add
     to `-sass` (`-res-usage`: the registers and memory the binary declares)."""
+    return cuobjdump(compiled, "-sass", *flags)
+
+
+def cuobjdump(compiled, *flags: str) -> str:
+    """The cuobjdump bundled with Triton, run with `flags` on a compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-sass", *flags, f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def sass_hash(compiled, listing: str | None = None) -> str:
@@ -88,16 +93,17 @@ def limits_exceeded(compiled, listing: str, num_warps: int, props: device.Device
     return bad
 
 
-def build(launch, pointer_types: dict, props: device.DeviceProperties) -> str:
-    """Compile one variant for `props`' architecture, hold it to its limits; its SASS hash."""
+def build(launch, pointer_types: dict, props: device.DeviceProperties, print_sass: bool = False) -> str | None:
+    """Compile one variant for `props`' architecture, hold it to its limits; its SASS hash with `print_sass`
+    (the disassembly is most of a check's time)."""
     compiled = triton.compile(source(launch, pointer_types), target=GPUTarget("cuda", props.arch, 32),
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     assert "ptx" in compiled.asm and "cubin" in compiled.asm
-    listing = sass(compiled, "-res-usage")
+    listing = sass(compiled, "-res-usage") if print_sass else cuobjdump(compiled, "-res-usage")
     bad = limits_exceeded(compiled, listing, launch.num_warps, props)
     if bad:
         raise RuntimeError(f"over sm_{props.arch}'s limits: {'; '.join(bad)}")
-    return sass_hash(compiled, listing)
+    return sass_hash(compiled, listing) if print_sass else None
 
 
 def variants(props: device.DeviceProperties) -> dict:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     # variants compile side by side; the report keeps the variants' order.
     failures = {arch: 0 for arch in archs}
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        builds = {(arch, key): pool.submit(build, *variant, device.ARCHITECTURES[arch])
+        builds = {(arch, key): pool.submit(build, *variant, device.ARCHITECTURES[arch], args.sass)
                   for arch in archs for key, variant in planned[arch].items()}
         for (arch, key), result in builds.items():
             try:
