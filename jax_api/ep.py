@@ -25,8 +25,7 @@ import jax.numpy as jnp
 
 from jax_api.permute import generate_permute_indices, permute_rows, unpermute_rows
 from xkern.ep import check_dispatch, check_topk_range
-from xkern.launch import FLOATS, check_row_count
-from xkern.permute import check_int
+from xkern.launch import FLOATS, check_int, check_row_count
 
 
 @dataclass(frozen=True)

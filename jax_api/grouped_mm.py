@@ -1,5 +1,5 @@
 """The experts' grouped GEMM over the padded expert-major layout in JAX: `grouped_mm`, under jit, grad of any
-order, vmap and sharded jit. Contract and kernels: `xkern/grouped_mm.py`.
+order, vmap and sharded jit. Contract and kernels: `xkern/grouped_mm/`.
 
 Three bilinear custom_jvp functions whose tangents are transposed by each other (jax_api/_linear.py): the
 forward F(x, w) = x_e @ w_e, the x gradient DX(g, w) = g_e @ w_e.T (the forward's kernel reading w transposed)

@@ -4,7 +4,7 @@
 `permute_rows` and `unpermute_rows` are linear in their rows, each transposed by the other (a gather
 through the inverse permutation, never a scatter-add; jax_api/_linear.py); the weighted combine is bilinear in
 (y, probs). So jvp, vjp, vmap and every order run the kernels. The index array is an integer input: its
-tangent is float0. Contract and kernels: see `xkern/permute.py`.
+tangent is float0. Contract and kernels: see `xkern/permute/`.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def _rows_like(x):
     return sharding.rows_like(x)
 
 
-def _unsplit(n_rows: int, dtype):
-    """An output's rows with nothing to follow (the partitioner then splits them like the output's users)."""
+def _zero_rows(n_rows: int, dtype):
+    """Zeros [n_rows, 1] with no sharding of their own: the row-shape operand of an output whose rows follow no
+    input (the partitioner then splits them like the output's users; `_rows_like` is the one that follows x)."""
     return jnp.zeros((n_rows, 1), dtype)
 
 
@@ -350,7 +351,8 @@ def inverse_permutation(permuted_indices, num_rows: int, validate: bool = False)
     num_rows = check_int("num_rows", num_rows)
     if validate:
         contract.check_permutation(concrete("permuted_indices", permuted_indices), num_rows)
-    return vary_like(_inverse(permuted_indices, num_rows, _unsplit(num_rows, permuted_indices.dtype)), permuted_indices)
+    inv = _inverse(permuted_indices, num_rows, _zero_rows(num_rows, permuted_indices.dtype))
+    return vary_like(inv, permuted_indices)
 
 
 def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *, top_k: int = 1, probs=None):
@@ -379,5 +381,5 @@ def unpermute_rows(y, permuted_indices, num_rows: int, validate: bool = False, *
     if probs is not None:  # inside shard_map both vary alike (each one's gradient then has its type)
         return _combine(num_rows, top_k, vary_like(y, probs), permuted_indices, vary_like(probs, y))
     if top_k > 1:
-        return _sum_copies(num_rows, top_k, y, permuted_indices, _unsplit(num_rows // top_k, y.dtype))
-    return _unpermute(num_rows, y, permuted_indices, _unsplit(num_rows, y.dtype))
+        return _sum_copies(num_rows, top_k, y, permuted_indices, _zero_rows(num_rows // top_k, y.dtype))
+    return _unpermute(num_rows, y, permuted_indices, _zero_rows(num_rows, y.dtype))

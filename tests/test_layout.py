@@ -77,3 +77,24 @@ def test_core_imports_no_framework_and_front_ends_stay_apart():
         assert not {m: d for m, d in crossing.items() if d}, crossing
     assert not {m for m, p in mods.items() if m.startswith("xkern")
                 and any(d.split(".")[0] in ("torch_api", "jax_api", "benchmarks", "tools") for d in _imports(p, mods))}
+
+
+def test_no_module_over_900_lines():
+    """The product's modules stay readable at a sitting: none in xkern/, torch_api/ or jax_api/ over 900 lines."""
+    long = {str(p.relative_to(ROOT)): n for pkg in ("xkern", "torch_api", "jax_api") for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 900}
+    assert not long, long
+
+
+def test_every_op_package_has_the_same_modules():
+    """Each op's core is a package of the same modules, so that adding an op touches the same places: the
+    recipes (argument rules and launch recipes) and the variants (for compile_check), with plans beside any
+    kernels of its own; and compile_check compiles it."""
+    from xkern.compile_check import OPS
+
+    packages = [p.parent for p in (ROOT / "xkern").glob("*/__init__.py")]
+    assert {"rms_norm", "permute", "grouped_mm"} <= {p.name for p in packages}
+    for pkg in packages:
+        names = {p.stem for p in pkg.glob("*.py")}
+        assert {"recipes", "variants"} <= names and ("kernels" not in names or "plans" in names), (pkg.name, names)
+        assert f"xkern.{pkg.name}" in OPS, pkg.name

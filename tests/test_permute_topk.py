@@ -456,7 +456,7 @@ def test_token_major_dispatch_is_the_gather(dtype):
     want = torch_api.permute_rows(x, idx, top_k=top_k)
     recipe = permute_recipe(idx.numel(), hidden, tokens, dtype, hidden, top_k, "int32", token_major=True)
     scatter, rows = recipe.steps
-    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
+    (raw,) = run_recipe(Recipe((scatter,), ("slot_of",)), DEVICE, idx=idx)
     out = torch.full((idx.numel(), hidden), float("nan"), dtype=x.dtype, device=DEVICE)
     launch_plan(rows.launch, x, raw, idx, out, **rows.scalars)
     assert same_bits(out, want)
@@ -482,7 +482,7 @@ def test_token_major_combine_backward_is_the_slot_major_one(dtype):
     want = run_recipe(combine_bwd_recipe(*args, "int32", token_major=False), DEVICE, dout=dout, y=y, idx=idx,
                       probs=probs)
     scatter, grads = combine_bwd_recipe(*args, "int32", token_major=True).steps
-    (raw,) = run_recipe(Recipe((scatter,), ("raw",)), DEVICE, idx=idx)
+    (raw,) = run_recipe(Recipe((scatter,), ("slot_of",)), DEVICE, idx=idx)
     dy = torch.full((idx.numel(), hidden), float("nan"), dtype=dout.dtype, device=DEVICE)
     dprobs = torch.zeros(tokens * top_k, dtype=probs.dtype, device=DEVICE)
     launch_plan(grads.launch, dout, y, raw, idx, probs, dy, dprobs, **grads.scalars)
@@ -495,7 +495,8 @@ def test_token_major_regime_is_bitwise_the_one_launch_regime(monkeypatch):
     (`permute_recipe`, `combine_bwd_recipe`): through both front ends, forward and backward, bit for bit the
     one-launch regime's results (the threshold lowered here, so that small shapes cross it)."""
     from torch_api._launch import executor_cache
-    from xkern import permute as XP
+    from xkern import permute
+    from xkern.permute import plans as permute_plans
 
     tokens, top_k, hidden = 11, 4, 72
     idx = _routing(("regime",), tokens, top_k, experts=5).astype(np.int32)
@@ -506,21 +507,21 @@ def test_token_major_regime_is_bitwise_the_one_launch_regime(monkeypatch):
     args = (x, y, probs, dout_c, dout_p, idx, top_k)
 
     def kernels():
-        fwd = XP.permute_recipe(len(idx), hidden, tokens, "bfloat16", hidden, top_k, "int32")
-        bwd = XP.combine_bwd_recipe(len(idx), hidden, tokens * top_k, "bfloat16", hidden, hidden, top_k, "float32")
+        fwd = permute.permute_recipe(len(idx), hidden, tokens, "bfloat16", hidden, top_k, "int32")
+        bwd = permute.combine_bwd_recipe(len(idx), hidden, tokens * top_k, "bfloat16", hidden, hidden, top_k, "float32")
         return {s.launch.kernel.__name__ for r in (fwd, bwd) for s in r.steps}
 
     results = []
-    for threshold in (XP.ONE_LAUNCH_SLOTS, 8):
-        monkeypatch.setattr(XP, "ONE_LAUNCH_SLOTS", threshold)
-        XP.permute_recipe.cache_clear()
-        XP.combine_bwd_recipe.cache_clear()
+    for threshold in (permute_plans.ONE_LAUNCH_SLOTS, 8):
+        monkeypatch.setattr(permute_plans, "ONE_LAUNCH_SLOTS", threshold)
+        permute.permute_recipe.cache_clear()
+        permute.combine_bwd_recipe.cache_clear()
         token_major = {"_scatter_token_rows_kernel", "_combine_bwd_token_kernel"}
         assert (token_major <= kernels()) == (threshold == 8), kernels()
         with executor_cache():
             results.append((_torch_run(*args), _jax_run(*args)))
-    XP.permute_recipe.cache_clear()
-    XP.combine_bwd_recipe.cache_clear()
+    permute.permute_recipe.cache_clear()
+    permute.combine_bwd_recipe.cache_clear()
     (t1, j1), (t2, j2) = results
     for a, b, c, d in zip(t1, t2, j1, j2, strict=True):
         assert same_bits(a, b) and same_bits(c, d) and same_bits(a, to_torch(np.asarray(c)))

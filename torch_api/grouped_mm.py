@@ -4,7 +4,7 @@ Three forms, each a registered op (torch.compile, export, fake tensors) and an e
 (`torch_api._launch.cached`, checked on a miss): the forward y = x @ w[e] per expert block, the x gradient
 (the forward's rows kernel on dy with w read transposed, no copy) and the w gradient. Each form's derivatives
 are the forms themselves (all three are bilinear), so gradients of any order and forward-mode AD are these
-ops. Contract and kernels: see `xkern/grouped_mm.py`.
+ops. Contract and kernels: see `xkern/grouped_mm/`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Everything else (torch.compile, export, DTensor) goes through the registered ops
 included, with the same autograd. The backward of `permute_rows` is `unpermute_rows` and vice versa (a gather
 through the inverse permutation, never a scatter-add), so gradients of any order are these same ops. Which
 form of unpermute_rows runs (the gather, the copy-sum, the weighted combine) is the core's
-`unpermute_recipe`'s choice. Contract and kernels: see `xkern/permute.py`.
+`unpermute_recipe`'s choice. Contract and kernels: see `xkern/permute/`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ is out of range, as it drops rows past `capacity`.
 
 from __future__ import annotations
 
-from xkern.launch import INT32_MAX, check_row_count
-from xkern.permute import check_int
+from xkern.launch import INT32_MAX, check_int, check_row_count
 
 
 def check_dispatch(x_shape, ids_shape, ids_dtype: str, ids_is_integer: bool, num_experts, world: int,

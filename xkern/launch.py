@@ -1,10 +1,11 @@
 """What every op's launch plan returns, and the helpers the plans share.
 
-A plan is computed once here from shapes and dtypes only, so the torch and JAX front ends launch the
-same kernel (the same PTX) with the same grid and get bitwise-identical results. Kernel signatures are ordered
-`inputs, scalars, outputs, constexprs`: jax-triton binds its positional arguments (arrays and runtime
-scalars) to the first parameters and appends the outputs (a scalar passed by keyword would become a
-compile-time constant there, compiling other code than the torch launch).
+A plan is computed once here from shapes and dtypes (and the GPU's SM count and shared memory, `xkern.device`),
+so the torch and JAX front ends launch the same kernel (the same PTX) with the same grid and get
+bitwise-identical results. Kernel signatures are ordered `inputs, scalars, outputs, constexprs`: jax-triton
+binds its positional arguments (arrays and runtime scalars) to the first parameters and appends the outputs (a
+scalar passed by keyword would become a compile-time constant there, compiling other code than the torch
+launch).
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ import sys
 import threading
 import warnings
 from typing import Any
-
-# Programs a persistent kernel launches at most. Fixed (the H100/H200 SM count times a small occupancy
-# factor applied by each plan) rather than read from the device, so that reductions over per-program
-# partials are summed in the same order on every machine and every front end.
-NUM_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,7 +218,7 @@ def check(out, ref64, kind: str, abs_ok=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Padded expert row gather for MoE (xkern/permute.py): plain loops over the contract, exact integers.
+# Padded expert row gather for MoE (xkern/permute/): plain loops over the contract, exact integers.
 
 
 def generate_permute_indices(counts, experts_per_rank: int, num_ranks: int, max_len: int,
@@ -341,7 +341,7 @@ def check_sum(got: np.ndarray, ref64: np.ndarray, mag64: np.ndarray, n_terms: in
 
 
 # ---------------------------------------------------------------------------------------------------
-# Grouped GEMM over the padded expert-major layout (xkern/grouped_mm.py), in float64.
+# Grouped GEMM over the padded expert-major layout (xkern/grouped_mm/), in float64.
 
 
 def _expert_blocks(m_offsets, n_slots: int):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from xkern.launch import NUM_SMS, Launch, cdiv, check_row_count, next_pow2, row_align
+from xkern.device import properties
+from xkern.launch import Launch, cdiv, check_row_count, next_pow2, row_align
 from xkern.rms_norm.kernels import (
     GEMMA,
     LLAMA,
@@ -30,10 +31,9 @@ MAX_FWD_BLOCK = 65536  # widest row the forward's row kernel takes (32 warps x 6
                        # that for 4-byte x, w or y (at 65536 those spill)
 MAX_BWD_BLOCK = 16384  # widest row the backward takes in one block (wider: SPLIT blocks, or a column split)
 CHUNK = 16384          # column chunk of the chunked forward (two in flight per program)
-FWD_CHUNKED_PROGRAMS = NUM_SMS  # persistent: the rows in flight (and pass 2's re-reads) fit in L2
 COLS_STATS_CHUNK = 8192  # column chunk of the backward's row statistics pass
-# Column-split backward tile: (BLOCK_M, BLOCK_N, num_warps, programs)
-BWD_COLS_TILE = (4, 1024, 4, 4 * NUM_SMS)
+# Column-split backward tile: (BLOCK_M, BLOCK_N, num_warps, programs per SM)
+BWD_COLS_TILE = (4, 1024, 4, 4)
 FWD_TILE_BELOW = 768     # the forward takes rows narrower than this in tiles of several rows
 FWD_TILE_ELEMS = 2048    # a forward tile's elements (BLOCK_M x BLOCK_N) from 128 wide, 2 warps
 # Row-kernel widths that read x twice (RELOAD): faster there on the H200; at 16384 and up to 2048 holding
@@ -49,7 +49,8 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
 # Row backward (rows read twice): the widest BLOCK_N it takes as one block (12289-16384), one 16-warp program
 # per SM (docs/benchmarks.md, entry 8). Narrower, the prefetching tile wins but at 513-576 and 4480-5120
-# (BWD_NINE, BWD_FIVE); wider, it takes SPLIT blocks (BWD_WIDE_ROW_MAX).
+# (BWD_ROW_9X64, BWD_ROW_5X1024: the row in 9 blocks of 64, or 5 of 1024); wider, it takes SPLIT blocks
+# (BWD_WIDE_ROW_MAX).
 BWD_ROW_BLOCK = 16384
 BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_norm_bwd)
 # 16385 and wider: the row kernel again, in blocks of 2048 (to 9 x 2048) or 4096, 16 warps (32 for 4-byte rows),
@@ -66,8 +67,8 @@ BWD_WIDE_HOLD_W = 20480
 # 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
 # 513-576 (64 x 9): one warp, 16 per SM, 3-8 % faster than the 1024-element tile, which leaves up to 7/16
 # masked, and 7 % faster with 4-byte rows; the fused add's three streams were 29 % slower so (H100, entry 24).
-BWD_FIVE = (1024, 5, 4, 3)
-BWD_NINE = (64, 9, 1, 16)
+BWD_ROW_5X1024 = (1024, 5, 4, 3)
+BWD_ROW_9X64 = (64, 9, 1, 16)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
 # width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
 # the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
@@ -83,11 +84,11 @@ def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
 
 
 def bwd_masked_row(n_cols: int, itemsize: int) -> tuple[int, int, int, int] | None:
-    """The row kernel's blocks, warps and programs per SM at the widths BWD_NINE (any rows) and BWD_FIVE
+    """The row kernel's blocks, warps and programs per SM at the widths BWD_ROW_9X64 (any rows) and BWD_ROW_5X1024
     (2-byte rows) take with two streams, else None."""
-    if 512 < n_cols <= BWD_NINE[0] * BWD_NINE[1]:
-        return BWD_NINE
-    return BWD_FIVE if itemsize <= 2 and split_row(n_cols, 4096) == BWD_FIVE[:2] else None
+    if 512 < n_cols <= BWD_ROW_9X64[0] * BWD_ROW_9X64[1]:
+        return BWD_ROW_9X64
+    return BWD_ROW_5X1024 if itemsize <= 2 and split_row(n_cols, 4096) == BWD_ROW_5X1024[:2] else None
 
 
 def split_row(n_cols: int, max_block: int, min_block: int = 256, max_split: int = 8) -> tuple[int, int]:
@@ -123,7 +124,8 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     fixed = {"EPS": float(eps), "ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1,
              "VARIANT": _variant_code(variant)}
     if n_cols > (MAX_FWD_BLOCK if itemsize <= 2 else MAX_FWD_BLOCK // 2):
-        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, FWD_CHUNKED_PROGRAMS),), 32,
+        # persistent, one program per SM: the rows in flight (and pass 2's re-reads) fit in L2
+        return Launch(_rms_norm_fwd_chunked_kernel, (min(n_rows, properties().num_sms),), 32,
                       {**fixed, "BLOCK_N": CHUNK})
     block_n = next_pow2(n_cols)
     if n_cols >= FWD_TILE_BELOW:
@@ -169,24 +171,31 @@ def max_bwd_row(itemsize: int = 2, streams: int = 2) -> int:
     return BWD_WIDE_ROW_MAX[(2 if itemsize <= 2 else 4, 2 if streams <= 2 else 3)]
 
 
+def bwd_cols_tile() -> tuple[int, int, int, int]:
+    """The column split's (BLOCK_M, BLOCK_N, num_warps, programs): BWD_COLS_TILE's programs per SM on this GPU."""
+    block_m, block_n, num_warps, per_sm = BWD_COLS_TILE
+    return block_m, block_n, num_warps, per_sm * properties().num_sms
+
 def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[int, ...] = (),
                       n_batch: int = 1, variant: str = "llama", *, streams: int = 2, itemsize: int = 2,
-                      cols_tile: tuple[int, int, int, int] = BWD_COLS_TILE) -> BwdPlan:
+                      cols_tile: tuple[int, int, int, int] | None = None) -> BwdPlan:
     """The joint backward and the dw reduction for `n_batch` independent problems of `n_rows` rows each
     (n_batch > 1 only under jax.vmap: per-example dw). `row_strides`: the x, dy and dx row strides
     (default: contiguous); `variant` from check_variant (the math only, as in the forward); `streams`: the
     [n_rows, n_cols] inputs the kernel reads (x and dy; 3 for the fused add's dres); `itemsize`: the largest
     element size of x and dy in bytes; `cols_tile`: the column split's (BLOCK_M, BLOCK_N, num_warps, programs)
-    for rows wider than `max_bwd_row` (the rule; `tools.plan_probe` passes candidates)."""
+    for rows wider than `max_bwd_row` (default `bwd_cols_tile()`, the rule; `tools.plan_probe` passes
+    candidates). Grids of up to a few programs per SM: the SM count from `xkern.device.properties()`."""
     check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
     check_row_count("x", n_cols, "columns")  # and the column-split kernels columns
     block_n = next_pow2(n_cols)
     fixed = {"ROW_ALIGN": row_align(n_cols, *row_strides), "ONE_COL": n_cols == 1, "VARIANT": _variant_code(variant)}
     stats = None
+    num_sms = properties().num_sms
     row = {**fixed, "EPS": float(eps)}
     if n_cols > max_bwd_row(itemsize, streams):
         stats = Launch(_rms_norm_bwd_stats_kernel, (n_rows, n_batch), 8, {**row, "BLOCK_N": COLS_STATS_CHUNK})
-        block_m, block_n, num_warps, programs = cols_tile
+        block_m, block_n, num_warps, programs = cols_tile or bwd_cols_tile()
         col_blocks = cdiv(n_cols, block_n)
         groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))
         bwd = Launch(_rms_norm_bwd_cols_kernel, (col_blocks, groups, n_batch), num_warps,
@@ -194,16 +203,16 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     elif n_cols > MAX_BWD_BLOCK:  # up to max_bwd_row: SPLIT blocks (BWD_WIDE_ROW_MAX)
         block = 2048 if n_cols <= 9 * 2048 else 4096
         split = cdiv(n_cols, block)
-        groups = max(2, min(n_rows, NUM_SMS))
+        groups = max(2, min(n_rows, num_sms))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16 if itemsize <= 2 else 32,
                      {**row, "BLOCK_N": block, "SPLIT": split, "HOLD_W": block * split <= BWD_WIDE_HOLD_W})
     elif n_cols > BWD_SPLIT_MAX:  # up to BWD_ROW_BLOCK
-        groups = max(2, min(n_rows, NUM_SMS))
+        groups = max(2, min(n_rows, num_sms))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), 16,
                      {**row, "BLOCK_N": block_n, "SPLIT": 1, "HOLD_W": True})
     elif streams <= 2 and (rule := bwd_masked_row(n_cols, itemsize)):
         block, split, num_warps, per_sm = rule
-        groups = max(2, min(n_rows, NUM_SMS * per_sm))
+        groups = max(2, min(n_rows, num_sms * per_sm))
         bwd = Launch(_rms_norm_bwd_row_kernel, (groups, n_batch), num_warps,
                      {**row, "BLOCK_N": block, "SPLIT": split, "HOLD_W": True})
     else:
@@ -226,7 +235,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         if streams > 2 and block_m == 1 and n_cols <= BWD_TWO_ROW_MAX:
             block_m = 2
         block_m = max(1, min(block_m, next_pow2(n_rows)))
-        groups = max(2, min(cdiv(n_rows, block_m), NUM_SMS * programs_per_sm))
+        groups = max(2, min(cdiv(n_rows, block_m), num_sms * programs_per_sm))
         tile = {**row, "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
         bwd = (Launch(_rms_norm_bwd_split_kernel, (groups, n_batch), num_warps, {**tile, "SPLIT": split}) if split > 1
                else Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps, tile))

@@ -16,7 +16,7 @@ def compile_variants():
     dtype_pairs = [("bfloat16", "bfloat16")]
     widths = [1 << k for k in range(17)] + [MAX_FWD_BLOCK + 1]  # every BLOCK_N and both chunked kernels
     widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
-    widths += [80, 96, 576, 768, 2560, 5120, 7168, 9000, 12288, 18432]  # rows in SPLIT blocks (split_row, BWD_NINE)
+    widths += [80, 96, 576, 768, 2560, 5120, 7168, 9000, 12288, 18432]  # rows in SPLIT blocks (split_row, BWD_ROW_9X64)
     widths += [4608, 16896, 20480, 24576, 28672, max_bwd_row() + 1]  # the backward's wide row kernel, either side
     cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]

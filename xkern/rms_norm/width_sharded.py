@@ -16,7 +16,7 @@ import triton.language as tl
 
 from xkern.launch import Launch, cdiv, next_pow2, row_align
 from xkern.rms_norm.kernels import LLAMA, _grad_normed, _inv, _rms_norm_bwd_cols_kernel, _scaled
-from xkern.rms_norm.plans import BWD_COLS_TILE, plan_dw_reduce
+from xkern.rms_norm.plans import bwd_cols_tile, plan_dw_reduce
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols", "x_row_stride"])
@@ -165,7 +165,7 @@ def plan_rms_norm_bwd_width_sharded(n_rows: int, n_cols: int, eps: float, row_st
     finish_m = min(next_pow2(n_batch * n_rows), 1024)
     finish = Launch(_rms_norm_bwd_finish_kernel, (cdiv(n_batch * n_rows, finish_m),), 4,
                     {"EPS": float(eps), "BLOCK_M": finish_m})
-    block_m, block_n, num_warps, programs = BWD_COLS_TILE
+    block_m, block_n, num_warps, programs = bwd_cols_tile()
     block_n = min(block_n, max(16, next_pow2(n_cols)))
     col_blocks = cdiv(n_cols, block_n)
     groups = max(2, min(cdiv(n_rows, block_m), programs // col_blocks))

@@ -1,0 +1,114 @@
+"""The grouped GEMM's launch plans: fixed tiles per dtype (no autotuning), fitted to the GPU's shared memory;
+`tile` overrides them (tools/gemm_probe.py sweeps it)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from xkern.device import properties
+from xkern.grouped_mm.kernels import _grouped_dw_kernel, _grouped_rows_kernel
+from xkern.launch import ITEMSIZE, Launch, cdiv, next_pow2, row_align
+
+
+class GemmTile(NamedTuple):
+    """A GEMM launch's tile. The rows kernel: BLOCK_M rows x BLOCK_N columns of y, BLOCK_K of the inner
+    dimension per step, bands of `group_m` row tiles. The dw kernel: block_m rows (K) x block_n columns (N)
+    of dw[e], block_k slots per step (`group_m` unused)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# 16-bit: 128 x 256 tiles, 64 deep, 8 warps (two warpgroups of wgmma on sm_90); the rows kernel 4 stages in
+# flight (192 KiB of shared memory) up to an inner dim of DEEP_INNER, 3 past it, dw 3; fewer where the GPU's
+# shared memory holds fewer (`fit`). tools.gemm_probe on an
+# H100 (2026-12-06), the MoE benchmark's six GEMMs: at Qwen3-MoE 481-568 TFLOP/s where 128 x 128 x 64 on 3
+# stages ran 423-501 (torch._grouped_mm, CUTLASS: 520-637); at DeepSeek-V3 the forward and dx 452-474 against
+# torch's 433-478, 4 stages losing 19 % at the up projection's 7168-deep forward and 3 % at the down
+# projection's dx (7168), level or up to 8 % faster at inner dims of 768-4096. fp32 (IEEE FMAs, no tensor
+# cores): 64 x 64 x 32 on 4 warps.
+ROWS_TILES = {2: GemmTile(128, 256, 64, 8, 4), 4: GemmTile(64, 64, 32, 4, 2)}
+DW_TILES = {2: GemmTile(128, 256, 64, 8, 3), 4: GemmTile(64, 64, 32, 4, 2)}
+DEEP_INNER = 4096  # 16-bit rows kernel: 3 stages past this inner dim
+
+
+def rows_tile(dtype: str, n_inner: int) -> GemmTile:
+    """The rows kernel's tile for `dtype` and the inner (contracted) dim, fitted to this GPU (`fit`)."""
+    tile = ROWS_TILES[ITEMSIZE[dtype]]
+    tile = tile._replace(num_stages=3) if ITEMSIZE[dtype] == 2 and n_inner > DEEP_INNER else tile
+    return fit(tile, ITEMSIZE[dtype])
+
+
+def dw_tile(dtype: str) -> GemmTile:
+    """The dw kernel's tile for `dtype`, fitted to this GPU (`fit`)."""
+    return fit(DW_TILES[ITEMSIZE[dtype]], ITEMSIZE[dtype])
+
+
+def pipeline_bytes(tile: GemmTile, itemsize: int, arch: int) -> int:
+    """Shared memory a kernel of `tile` takes on `arch`, an upper bound: a (block_m x block_k) and a (block_k x
+    block_n) operand tile per buffer, plus 2 KiB (barriers, static shared memory). Triton 3.6 keeps num_stages
+    buffers where the tensor cores read operands from shared memory while the next loads land (wgmma on
+    sm_90, tcgen05 on sm_100) and num_stages - 1 where they read registers (mma.sync: sm_80-89, sm_120).
+    Compiled, the rows kernel's 128 x 256 x 64 bf16 tile took 196,608 B at 4 stages on sm_90 and sm_100,
+    147,456 on sm_80, sm_86 and sm_120; its dw kernel no more than the rows kernel's."""
+    buffers = tile.num_stages if 90 <= arch < 120 else tile.num_stages - 1
+    return buffers * (tile.block_m + tile.block_n) * tile.block_k * itemsize + 2048
+
+
+def fit(tile: GemmTile, itemsize: int) -> GemmTile:
+    """`tile` with as many of its pipeline stages as this GPU's shared memory holds (at least 2), then, if
+    still too large, half as many columns (BLOCK_N) until it fits. On the H100 and H200 every tile fits as
+    it is; on a 99 KiB part (sm_86, sm_89, sm_120) the rows kernel's 4 stages become 3."""
+    props = properties()
+    while tile.num_stages > 2 and pipeline_bytes(tile, itemsize, props.arch) > props.max_shared_mem:
+        tile = tile._replace(num_stages=tile.num_stages - 1)
+    while tile.block_n > 16 and pipeline_bytes(tile, itemsize, props.arch) > props.max_shared_mem:
+        tile = tile._replace(block_n=tile.block_n // 2)
+    return tile
+
+
+MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
+MIN_BLOCK_E = 256        # experts' vector length at least this: one binary for up to 256 experts
+
+
+def weight_layout(n_inner: int, n_cols: int, w_strides: tuple[int, int, int]) -> tuple[int, int, bool] | None:
+    """(expert stride, the non-unit stride, whether N is the contiguous dim) of w [E, n_inner, n_cols] with
+    element strides `w_strides`; None unless one of the two matrix dims is contiguous (the front end then
+    copies). A dim of size 1 takes any stride."""
+    se, sk, sn = w_strides
+    if sn == 1 or n_cols == 1:
+        return se, (sk if n_inner > 1 else n_cols), True
+    if sk == 1 or n_inner == 1:
+        return se, sn, False
+    return None
+
+
+def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
+                    w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Launch:
+    """The rows kernel for y [n_slots, n_cols] = x [n_slots, n_inner] @ w[e] [n_inner, n_cols] (w with element
+    strides `w_strides`, one matrix dim contiguous: `weight_layout`). Arrays (x, w, offs, y); scalars
+    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`)."""
+    tile = tile or rows_tile(dtype, n_inner)
+    w_expert_stride, w_stride, n_contiguous = weight_layout(n_inner, n_cols, w_strides)
+    n_tiles = cdiv(n_slots, tile.block_m) + n_experts
+    consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, w_expert_stride, w_stride),
+              "W_N_CONTIGUOUS": n_contiguous, "IEEE": dtype == "float32", "BLOCK_M": tile.block_m,
+              "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+              "BLOCK_E": max(MIN_BLOCK_E, next_pow2(n_experts)), "GROUP_M": tile.group_m}
+    return Launch(_grouped_rows_kernel, (n_tiles * cdiv(n_cols, tile.block_n),), tile.num_warps, consts,
+                  tile.num_stages)
+
+
+def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
+                       dy_row_stride: int, tile: GemmTile | None = None) -> Launch:
+    """The dw kernel for dw [n_experts, n_inner, n_cols] from x [n_slots, n_inner] and dy [n_slots, n_cols].
+    Arrays (x, dy, offs, dw); scalars n_slots, n_inner, n_cols, n_experts, x_row_stride, dy_row_stride."""
+    tile = tile or dw_tile(dtype)
+    consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, dy_row_stride), "IEEE": dtype == "float32",
+              "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k}
+    grid = n_experts * cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
+    return Launch(_grouped_dw_kernel, (grid,), tile.num_warps, consts, tile.num_stages)

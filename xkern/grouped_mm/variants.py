@@ -1,0 +1,25 @@
+"""Every kernel variant the grouped GEMM's plans can choose, as (launch, pointer types), for `xkern.compile_check`
+(and torch's access analysis in tests/triton_op_access.py)."""
+
+from __future__ import annotations
+
+from xkern.grouped_mm.plans import MAX_GEMM_EXPERTS, plan_grouped_mm, plan_grouped_mm_dw
+from xkern.launch import FLOATS, POINTER_TYPES, Launch
+
+
+def compile_variants() -> list[tuple[Launch, dict]]:
+    """Every (kernel, constexprs) the plans choose, at the extremes of what varies with the shapes: each dtype,
+    both weight layouts (forward: N contiguous; dx: K contiguous), ALIGN 16 and 1, the inner dim on both sides of
+    DEEP_INNER (the rows kernel's stages), BLOCK_E at its least and most (the plans' ALIGN 2-8 and BLOCK_E
+    512-2048 are the same code with other constants)."""
+    variants = []
+    for dtype in FLOATS:
+        ptr = POINTER_TYPES[dtype]
+        for n_inner, n_cols in ((256, 512), (255, 511), (8192, 512)):  # ALIGN 16, 1; past DEEP_INNER
+            for experts in (1, MAX_GEMM_EXPERTS):
+                for strides in ((n_inner * n_cols, n_cols, 1), (n_inner * n_cols, 1, n_inner)):
+                    plan = plan_grouped_mm(8192, n_inner, n_cols, experts, dtype, n_inner, strides)
+                    variants.append((plan, {"X": ptr, "W": ptr, "OFFS": "*i32", "Y": ptr}))
+            dw = plan_grouped_mm_dw(8192, n_inner, n_cols, 8, dtype, n_inner, n_cols)
+            variants.append((dw, {"X": ptr, "DY": ptr, "OFFS": "*i32", "DW": ptr}))
+    return variants
