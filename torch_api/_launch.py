@@ -50,6 +50,7 @@ _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _peek_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _is_compiling = torch.compiler.is_compiling
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -63,11 +64,13 @@ _grad_enabled = torch.is_grad_enabled
 
 def traced(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through the registered op: being compiled or traced, a dispatch mode active,
-    or a tensor (None: an absent optional input) of a subclass (DTensor, FakeTensor, FunctionalTensor)."""
+    or a tensor (None: an absent optional input) of a subclass (DTensor, FakeTensor, FunctionalTensor) or
+    without storage of its own (autograd.grad(is_grads_batched=True) batches gradients so: the op's batching
+    fallback then runs it per example)."""
     if _is_compiling() or _dispatch_modes():
         return True
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
+        if t is not None and (type(t) not in _PLAIN or _legacy_batched(t)):
             return True
     return False
 
