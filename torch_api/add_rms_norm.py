@@ -31,11 +31,11 @@ from torch_api._launch import (
     check_device,
     check_tensor,
     differentiable_backward,
+    direct,
     dtype_name,
     dtype_or_none,
     flat_weight,
     forward_mode,
-    needs_autograd,
     raw_apply,
     readable,
     register_op,
@@ -209,11 +209,11 @@ class AddRMSNormFunction(torch.autograd.Function):
         variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
         if dy is None:  # y unused: d(sum) is residual_out's gradient alone
             dsum, dw = dres, None if weight is None else torch.zeros_like(weight)
-        elif traced(dy, dres, res, weight):
-            dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, variant,
-                                                        dtype_name(ctx.x_dtype))
         elif differentiable_backward():  # create_graph: a differentiable backward, through the composite
             dsum, dw = _composite_backward(dy, dres, res, weight, ctx.eps, variant, ctx.x_dtype)
+        elif traced(dy, dres):  # (residual_out and weight are of the forward's kind, as its outputs are)
+            dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, variant,
+                                                        dtype_name(ctx.x_dtype))
         else:
             dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, ctx.variant, ctx.x_dtype)
         dx = dsum if dsum.dtype == ctx.x_dtype else dsum.to(ctx.x_dtype)
@@ -257,12 +257,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     backward returns one gradient, d(residual_out), for x and residual (the same tensor when their dtypes
     match, else converted to each)."""
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
+    if direct(x, residual, weight):
+        return _forward(x, residual, weight, eps, variant, residual_dtype)
     if traced(x, residual, weight):
         res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
         return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, eps, variant, res_name)
     if forward_mode():  # forward-mode AD or torch.func: the composite
         res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
         return _composite(x, residual, weight, eps, variant, getattr(torch, res_name))
-    if needs_autograd(x, residual, weight):
-        return _apply(x, residual, weight, eps, variant, residual_dtype)
-    return _forward(x, residual, weight, eps, variant, residual_dtype)
+    return _apply(x, residual, weight, eps, variant, residual_dtype)

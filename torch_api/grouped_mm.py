@@ -16,11 +16,11 @@ from torch_api._launch import (
     cached,
     check_device,
     check_tensor,
+    direct_or_batched,
     dtype_name,
     forward_mode,
     functorch_active,
     loop_vmap,
-    needs_autograd,
     raw_apply,
     register_op,
     run_recipe,
@@ -199,12 +199,12 @@ _APPLY = {form: raw_apply(f) for form, f in FUNCTIONS.items()}
 def _call(form: str, a, b, offs) -> torch.Tensor:
     """Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
     compiled and traced code, the ops (checked on every call: tracing is not the hot path)."""
+    if direct_or_batched(a, b, offs):
+        return _eager(form, a, b, offs)
     if traced(a, b, offs):
         _check(form, a, b, offs)
         return OPS[form](a, b, offs)
-    if needs_autograd(a, b, offs):
-        return (FUNCTIONS[form].apply if functorch_active() else _APPLY[form])(a, b, offs)
-    return _eager(form, a, b, offs)
+    return (FUNCTIONS[form].apply if functorch_active() else _APPLY[form])(a, b, offs)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor, validate: bool = False) -> torch.Tensor:

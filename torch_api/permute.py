@@ -19,12 +19,12 @@ from torch_api._launch import (
     cached,
     check_device,
     check_tensor,
+    direct_or_batched,
     dtype_name,
     dtype_or_none,
     forward_mode,
     functorch_active,
     loop_vmap,
-    needs_autograd,
     raw_apply,
     register_op,
     run_recipe,
@@ -406,34 +406,34 @@ _apply_permute, _apply_unpermute, _apply_combine_grads = map(raw_apply, (_Permut
 # Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
 # compiled and traced code, the ops (checked on every call: tracing is not the hot path).
 def _permute(x, idx, top_k: int):
+    if direct_or_batched(x, idx):
+        return _permute_eager(x, idx, top_k)
     if traced(x, idx):
         _check_permute(x, idx)
         if top_k == 1:
             return torch.ops.xkern.permute_rows(x, idx)
         return torch.ops.xkern.permute_token_rows(x, idx, top_k)
-    if needs_autograd(x, idx):
-        return (_Permute.apply if functorch_active() else _apply_permute)(x, idx, top_k)
-    return _permute_eager(x, idx, top_k)
+    return (_Permute.apply if functorch_active() else _apply_permute)(x, idx, top_k)
 
 
 def _unpermute(y, idx, num_rows: int, top_k: int, probs):
+    if direct_or_batched(y, idx, probs):
+        return _unpermute_eager(y, idx, num_rows, top_k, probs)
     if traced(y, idx, probs):
         _check_unpermute(y, idx, num_rows, top_k, probs)
         if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
             return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
         return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
-    if needs_autograd(y, idx, probs):
-        return (_Unpermute.apply if functorch_active() else _apply_unpermute)(y, idx, num_rows, top_k, probs)
-    return _unpermute_eager(y, idx, num_rows, top_k, probs)
+    return (_Unpermute.apply if functorch_active() else _apply_unpermute)(y, idx, num_rows, top_k, probs)
 
 
 def _combine_grads(dout, y, idx, probs, num_rows, top_k):
+    if direct_or_batched(dout, y, idx, probs):
+        return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
     if traced(dout, y, idx, probs):
         return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
-    if needs_autograd(dout, y, idx, probs):
-        return (_CombineGrads.apply if functorch_active() else _apply_combine_grads)(dout, y, idx, probs, num_rows,
-                                                                                    top_k)
-    return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
+    return (_CombineGrads.apply if functorch_active() else _apply_combine_grads)(dout, y, idx, probs, num_rows,
+                                                                                top_k)
 
 
 # ---------------------------------------------------------------------------------------------------

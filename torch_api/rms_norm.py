@@ -24,13 +24,13 @@ from torch_api._launch import (
     check_device,
     check_tensor,
     differentiable_backward,
+    direct,
     dtype_name,
     dtype_or_none,
     flat_weight,
     forward_mode,
     functorch_active,
     loop_vmap,
-    needs_autograd,
     raw_apply,
     readable,
     register_op,
@@ -226,12 +226,12 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if traced(dy, x, weight):
-            variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
-            dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, variant)
-        elif differentiable_backward():
+        if differentiable_backward():
             dx, *dw = _backward_math(ctx.eps, ctx.variant)(dy, *(t for t in (x, weight) if t is not None))
             dw = dw[0] if dw else None
+        elif traced(dy):  # (x and weight are of the forward's kind, as its output and so dy are)
+            variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
+            dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, variant)
         else:
             dx, dw = _backward_direct(dy, x, weight, ctx.eps, ctx.variant)
         return dx, None if weight is None else dw, None, None
@@ -267,12 +267,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
+    if direct(x, weight):
+        return _forward(x, weight, eps, variant)
     if traced(x, weight):
         variant = _check(x, weight, eps, variant)
         return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
-    if needs_autograd(x, weight):
-        return (RMSNormFunction.apply if functorch_active() else _apply)(x, weight, eps, variant)
-    return _forward(x, weight, eps, variant)
+    return (RMSNormFunction.apply if functorch_active() else _apply)(x, weight, eps, variant)
 
 
 class RMSNorm(torch.nn.Module):
