@@ -14,7 +14,7 @@ loop, one synchronize), for:
   `benchmarks.host` (the host table's);
 - torch: the native peer (`F.rms_norm`; on the CPU it computes, its time is not a floor);
 - floor: an autograd.Function (C++ apply, as xkern's) whose forward and backward only allocate the outputs
-  xkern's executors allocate, the same way (the executors' generated code, launches no-ops), and save
+  xkern's executors allocate, the same way (the executors' code, launches no-ops), and save
   nothing: what any Python-defined op with these outputs pays torch (the forward alone: the allocations).
   xkern − floor is xkern's own Python, with the saving of its inputs for the backward (~0.5 µs on a CPU).
 `--profile PATH` (e.g. "rms_norm fwd+bwd") adds cProfile's top functions of that path's xkern call, `--parts`
@@ -50,7 +50,7 @@ def setup_device(device: str | None) -> str:
 
 @contextlib.contextmanager
 def cuda_allocations(device: str):
-    """Inside the block, executors built on the CPU allocate as they do on CUDA: the generated code's path
+    """Inside the block, executors built on the CPU allocate as they do on CUDA: the executors' path
     through the caching allocator's entry point (`_empty_strided_cpu`, the twin of the CUDA one: no
     torch.empty argument parsing), which torch.empty would otherwise take on the CPU. Executors built in the
     block are cached apart (`executor_cache`) and dropped after it."""
@@ -113,9 +113,9 @@ def _floor_function():
             got = ctx.bwd(*grads)
             return None, None, *got, *(None,) * (ctx.n - len(got))
 
-    from torch_api._launch import fast_apply
+    from torch_api._launch import raw_apply
 
-    return fast_apply(AllocOnly)
+    return raw_apply(AllocOnly)
 
 
 def _alloc_only(recipe, input_names: tuple[str, ...], shapes: dict | None = None):
@@ -270,7 +270,7 @@ def markdown(rows: list[dict]) -> str:
 def parts(device: str, loop: int, rounds: int, real: bool = False) -> list[tuple[str, float]]:
     """(step, µs per call, the min over the rounds) of rms_norm's eager path taken apart, on cached
     signatures: the steps of a forward without autograd, then those of the backward, each executor beside
-    its generated run alone (the allocations and launches: the floor's share)."""
+    its run alone (the allocations and launches: the floor's share)."""
     import torch
 
     import torch_api
@@ -291,19 +291,19 @@ def parts(device: str, loop: int, rounds: int, real: bool = False) -> list[tuple
         bwd = _launch.cached(bwd_key, None)
         steps = {
             "rms_norm(x, w): the whole forward, no autograd": functools.partial(torch_api.rms_norm, x, w, EPS),
-            "  eager(x, w): how the call runs": functools.partial(_launch.eager, x, w),
+            "  direct(x, w): how the call runs": functools.partial(_launch.direct, x, w),
             "  the key: two signatures": lambda: ("rms_norm_fwd", _launch.signature(x), _launch.signature(w), EPS,
                                                   "llama"),
             "  cached(key): the lookup": functools.partial(_launch.cached, key, None),
             "  the executor: in-place check, allocation, launch": functools.partial(fwd, x, w),
-            "    its generated run: allocation, launch (the floor)": functools.partial(fwd.run.run, x, w),
+            "    its run: allocation, launch (the floor)": functools.partial(fwd.run.run, x, w),
             "backward of a kept forward: torch.autograd.grad": lambda: torch.autograd.grad(y, (xg, wg), dy,
                                                                                           retain_graph=True),
             "  the key: three signatures": lambda: ("rms_norm_bwd", _launch.signature(dy), _launch.signature(x),
                                                     _launch.signature(w), EPS, "llama"),
             "  _backward_direct: key, lookup, executor": functools.partial(rn._backward_direct, dy, x, w, EPS,
                                                                            "llama"),
-            "    its generated run: 3 allocations, 2 launches (the floor)": functools.partial(bwd.run.run, x, w, dy),
+            "    its run: 3 allocations, 2 launches (the floor)": functools.partial(bwd.run.run, x, w, dy),
         }
         got = timing.host_us_rounds(steps, sync, loop, rounds)
     return [(name, min(wall for wall, _ in got[name])) for name in steps]
