@@ -131,3 +131,42 @@ def test_dynamic_graph_after_a_static_one(fullgraph):
         x = _x(rows)
         assert _same(compiled(x), torch_api.rms_norm(x, w)), rows
     assert _graphs() <= 2
+
+
+_GPU_TRACE = """
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import torch_api  # noqa: F401  (registers the ops as triton_ops: no TRITON_INTERPRET in this process)
+
+graphs = []
+
+
+def keep(gm, _):
+    graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+    raise SystemExit(0)  # traced: the CPU cannot launch the GPU kernels
+
+
+x, w = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+try:
+    torch.compile(lambda x, w: torch.ops.xkern.rms_norm_fwd(x, w, 1e-6, "llama"), dynamic=True,
+                  backend=aot_autograd(fw_compiler=keep))(x, w)
+except SystemExit:
+    pass
+print(graphs)
+"""
+
+
+def test_gpu_registration_traces_a_symbolic_row_count_to_the_twin():
+    """The GPU's registration (triton_op), traced on the CPU by AOT autograd with a symbolic row count: the
+    op decomposes into its opaque twin (`rms_norm_fwd_any`), not into kernel launches specialized on a shape."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _GPU_TRACE], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert "xkern.rms_norm_fwd_any.default" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -285,13 +285,16 @@ def register_op(name: str, fake):
             with set_wrap_triton_enabled(False):  # launched from Python, as triton_op's own eager calls
                 return fn(*args)
 
-        run_any.__signature__ = inspect.signature(fn, eval_str=True)  # annotations resolved in fn's module
+        signature = inspect.signature(fn, eval_str=True)  # annotations resolved in fn's module
+        run_any.__signature__ = signature
         twin = torch.library.custom_op(name + "_any", mutates_args=())(run_any)
         twin.register_fake(fake)
 
         @functools.wraps(fn)
         def body(*args):
             return twin(*args) if symbolic(*args) else fn(*args)
+
+        body.__signature__ = signature
 
         return torch.library.triton_op(name, mutates_args=())(body)
 
