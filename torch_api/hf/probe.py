@@ -97,12 +97,8 @@ def _probe(cls: type) -> NormMath | None:
             x, w = x64.to(x_dtype), w64.to(w_dtype)
             for a in eps_attrs:  # the other attribute gets another value: the one read must be this one
                 setattr(module, a, _PROBE_EPS if a == eps_attr else 0.5)
-            if has_weight:
-                module.weight = torch.nn.Parameter(w, requires_grad=False)
-            try:
-                with torch.no_grad():
-                    out = forward(module, x)
-            except Exception:
+            out = _output(module, forward, x, w if has_weight else None)
+            if out is None:
                 return None
             matching = {v for v in matching if _same_bits(out, expected_output(x, w, _PROBE_EPS, v))}
             if not matching:
@@ -118,16 +114,21 @@ def _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight) -> bool:
     setattr(module, eps_attr, None)
     for x_dtype, w_dtype in _PROBE_DTYPES:
         x, w = x64.to(x_dtype) * 0.01, w64.to(w_dtype)  # small rows: the epsilon moves every output
-        if has_weight:
-            module.weight = torch.nn.Parameter(w, requires_grad=False)
-        try:
-            with torch.no_grad():
-                out = forward(module, x)
-        except Exception:
-            return False
-        if not _same_bits(out, expected_output(x, w, NONE_EPS, variant)):
+        if not _same_bits(_output(module, forward, x, w if has_weight else None),
+                          expected_output(x, w, NONE_EPS, variant)):
             return False
     return True
+
+
+def _output(module, forward, x, w):
+    """The class's forward on x, with the weight w (None: none), or None where it raises."""
+    if w is not None:
+        module.weight = torch.nn.Parameter(w, requires_grad=False)
+    try:
+        with torch.no_grad():
+            return forward(module, x)
+    except Exception:
+        return None
 
 
 def _same_bits(a, b) -> bool:
