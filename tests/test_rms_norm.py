@@ -643,7 +643,7 @@ def test_eager_training_step_takes_the_direct_path(monkeypatch):
         for _ in range(2):  # a miss, then a hit
             launched.clear()
             y = torch_api.rms_norm(x, w, 1e-6)
-            assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
+            assert type(y.grad_fn).__name__ == "RMSNormFunctionBackward"
             dx, dw = torch.autograd.grad(y, (x, w), dy)
             recipes = (rms_norm_fwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, "llama"),
                        rms_norm_bwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, 40, variant="llama"))
