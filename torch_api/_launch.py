@@ -448,9 +448,9 @@ class Executor:
                 args = tuple(where[n] for n in step.inputs) + tuple(where[b.name] for b in step.outputs)
                 self._launches.append((launcher if wrap is None else wrap(launcher), operator.itemgetter(*args)))
         results = tuple(where[n] for n in recipe.results)
-        # itemgetter: a C call where a list comprehension is a Python frame (~0.3 µs each)
-        self._results = operator.itemgetter(slice(results[0], results[0] + 1) if len(results) == 1 else results[0],
-                                            *results[1:])
+        # itemgetter: a C call where a list comprehension is a Python frame (~0.3 µs each); one result: a slice
+        self._results = (operator.itemgetter(slice(results[0], results[0] + 1)) if len(results) == 1 else
+                         operator.itemgetter(*results))
         self.launches, self.allocations = len(self._launches), len(self._allocs)
         self._pools = tuple((shape, dtype, *pool) for shape, dtype, fill, pool in self._allocs if pool is not None)
         self._singles = tuple((shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype, fill)
