@@ -78,8 +78,10 @@ def direct_or_batched(*tensors: torch.Tensor | None) -> bool:
     """`direct`, for calls a backward makes too: False also for gradients batched by
     autograd.grad(is_grads_batched=True), which have no storage of their own (`traced` takes them: the
     registered op's batching fallback runs it per example). 0.1 µs a tensor more than `direct`."""
+    if _is_compiling():
+        return False
     for t in tensors:
-        if t is not None and _legacy_batched(t):
+        if type(t) in _PLAIN and _legacy_batched(t):
             return False
     return direct(*tensors)
 
@@ -476,11 +478,13 @@ class Executor:
         device = inputs[0].device
         n = device.index
         env = [*inputs]
+        fast = _ALLOC is not None and n == _CURRENT_DEVICE()  # the current CUDA device (a CPU index is None)
         if self._pools:
             for shape, dtype, sizes, keep in self._pools:
-                pieces = torch.empty(shape, dtype=dtype, device=device).split_with_sizes(sizes)
+                whole = _ALLOC(shape, (1,), dtype) if fast else torch.empty(shape, dtype=dtype, device=device)
+                pieces = whole.split_with_sizes(sizes)
                 env += [pieces[i] for i in keep]
-        if _ALLOC is not None and n == _CURRENT_DEVICE():  # the current CUDA device (a CPU index is None)
+        if fast:
             for shape, strides, dtype, fill in self._singles:
                 env.append(_ALLOC(shape, strides, dtype) if fill is None else
                            torch.full(shape, fill, dtype=dtype, device=device))
