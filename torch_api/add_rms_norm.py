@@ -215,7 +215,8 @@ class AddRMSNormFunction(torch.autograd.Function):
             dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, variant,
                                                         dtype_name(ctx.x_dtype))
         else:
-            dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, ctx.variant, ctx.x_dtype)
+            dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, "llama" if weight is None else ctx.variant,
+                                        ctx.x_dtype)
         dx = dsum if dsum.dtype == ctx.x_dtype else dsum.to(ctx.x_dtype)
         dr = dx if ctx.r_dtype == ctx.x_dtype else dsum.to(ctx.r_dtype)
         return dx, dr, None if weight is None else dw, None, None, None

@@ -232,8 +232,8 @@ class RMSNormFunction(torch.autograd.Function):
         elif traced(dy):  # (x and weight are of the forward's kind, as its output and so dy are)
             variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
             dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, variant)
-        else:
-            dx, dw = _backward_direct(dy, x, weight, ctx.eps, ctx.variant)
+        else:  # (the op's variant is "none" without a weight, the eager Function's the caller's)
+            dx, dw = _backward_direct(dy, x, weight, ctx.eps, "llama" if weight is None else ctx.variant)
         return dx, None if weight is None else dw, None, None
 
     @staticmethod
