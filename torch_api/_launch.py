@@ -78,12 +78,12 @@ def direct_or_batched(*tensors: torch.Tensor | None) -> bool:
     """`direct`, for calls a backward makes too: False also for gradients batched by
     autograd.grad(is_grads_batched=True), which have no storage of their own (`traced` takes them: the
     registered op's batching fallback runs it per example). 0.1 µs a tensor more than `direct`."""
-    if _is_compiling():
+    if not direct(*tensors):
         return False
     for t in tensors:
-        if type(t) in _PLAIN and _legacy_batched(t):
+        if t is not None and _legacy_batched(t):
             return False
-    return direct(*tensors)
+    return True
 
 
 def traced(*tensors: torch.Tensor | None) -> bool:
@@ -94,7 +94,8 @@ def traced(*tensors: torch.Tensor | None) -> bool:
     if _is_compiling() or _dispatch_modes():
         return True
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or _legacy_batched(t)):
+        # (a batched gradient requires no grad: the check, 0.1 µs, is skipped for a forward's leaves)
+        if t is not None and (type(t) not in _PLAIN or not t.requires_grad and _legacy_batched(t)):
             return True
     return False
 
@@ -457,6 +458,7 @@ class Executor:
         self._pools = tuple((shape, dtype, *pool) for shape, dtype, fill, pool in self._allocs if pool is not None)
         self._singles = tuple((shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype, fill)
                               for shape, dtype, fill, pool in self._allocs if pool is None)
+        self._makers: dict = {}  # fast (bool) -> `_single_makers`
         if len(self._launches) == 1 and len(self._singles) == 1 and not self._pools and self._singles[0][3] is None \
                 and results == (n_in,):
             self.run = self._run_one
@@ -473,6 +475,19 @@ class Executor:
         launcher(args((*inputs, out)), n)
         return [out]
 
+    def _single_makers(self, device: torch.device, fast: bool) -> tuple:
+        """The unpooled buffers' allocations on `device` as argument-free callables (C partials: no tuple
+        unpacking per call)."""
+        makers = []
+        for shape, strides, dtype, fill in self._singles:
+            if fill is not None:
+                makers.append(functools.partial(torch.full, shape, fill, dtype=dtype, device=device))
+            elif fast:
+                makers.append(functools.partial(_ALLOC, shape, strides, dtype))
+            else:
+                makers.append(functools.partial(torch.empty, shape, dtype=dtype, device=device))
+        return tuple(makers)
+
     def run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """Allocate every buffer, launch every step, return the results: two flat loops over prebuilt tuples."""
         device = inputs[0].device
@@ -484,14 +499,11 @@ class Executor:
                 whole = _ALLOC(shape, (1,), dtype) if fast else torch.empty(shape, dtype=dtype, device=device)
                 pieces = whole.split_with_sizes(sizes)
                 env += [pieces[i] for i in keep]
-        if fast:
-            for shape, strides, dtype, fill in self._singles:
-                env.append(_ALLOC(shape, strides, dtype) if fill is None else
-                           torch.full(shape, fill, dtype=dtype, device=device))
-        else:
-            for shape, _, dtype, fill in self._singles:
-                env.append(torch.empty(shape, dtype=dtype, device=device) if fill is None else
-                           torch.full(shape, fill, dtype=dtype, device=device))
+        makers = self._makers.get(fast)
+        if makers is None:
+            makers = self._makers[fast] = self._single_makers(device, fast)
+        for make in makers:
+            env.append(make())
         for launcher, args in self._launches:
             launcher(args(env), n)
         return self._results(env)
