@@ -46,7 +46,9 @@ def _inputs(key, rows, width, x_dtype, r_dtype, variant="llama"):
 def poisoned(monkeypatch):
     """Every buffer a recipe allocates starts as NaN: unwritten elements show. Calls take the registered ops
     (`run_recipe`), not the eager direct launches (whose results the other tests compare bit for bit)."""
-    monkeypatch.setattr(sys.modules["torch_api.add_rms_norm"], "eager", lambda *a: False)
+    module = sys.modules["torch_api.add_rms_norm"]
+    monkeypatch.setattr(module, "direct", lambda *a: False)
+    monkeypatch.setattr(module, "traced", lambda *a: True)
     alloc = tl_launch._alloc
 
     def nan_alloc(buffer, device):

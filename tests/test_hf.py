@@ -16,6 +16,7 @@ import contextlib
 import copy
 import io
 import sys
+import warnings
 
 import pytest
 import torch
@@ -195,7 +196,7 @@ def test_probe_rejects_other_math():
         assert hf.norm_math(cls) is None, cls.__name__
     assert hf.norm_math(SameMathRMSNorm) == hf.NormMath("llama", "variance_epsilon")
     assert hf.norm_math(EpsNamedRMSNorm) == hf.NormMath("llama", "eps")
-    assert hf.norm_math(torch.nn.LayerNorm) is None and hf.norm_math(torch.nn.RMSNorm) is None
+    assert hf.norm_math(torch.nn.LayerNorm) is None  # (torch.nn.RMSNorm is taken: its own test below)
 
 
 # --- instance patching on tiny models ---------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_save_load_and_copies(tmp_path):
 def test_leaves_other_modules_alone():
     wrapped = LlamaRMSNorm(8)
     wrapped.forward = lambda x: LlamaRMSNorm.forward(wrapped, x)  # already wrapped by someone else
-    mods = [wrapped, torch.nn.LayerNorm(8), torch.nn.RMSNorm(8)]
+    mods = [wrapped, torch.nn.LayerNorm(8)]  # (torch.nn.RMSNorm is taken: test_torch_nn_rms_norm_patched...)
     model = torch.nn.Sequential(*mods, LlamaRMSNorm(8))
     assert torch_api.replace_rms_norm(model) == 1
     assert isinstance(model[-1].forward, replace._Forward)
@@ -508,3 +509,94 @@ def test_compile_fusion_on_a_patched_model():
     assert bwd >= 1 and bwd + graphs[1].count("xkern.rms_norm_bwd.default") == 3
     assert _same(logits, logits_ref)
     assert all(_same(g, grads_ref[n.removeprefix("_orig_mod.")]) for n, g in grads.items())
+
+
+# --- compile with the fused residual, dynamic sequence lengths, autocast, torch.nn.RMSNorm ------------
+
+
+@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_fused_residual_model_compiles(fullgraph):
+    """`replace_rms_norm(fuse_residual=True)` under torch.compile (aot_eager): eager's logits and gradients."""
+    ref, model = _model("llama"), _model("llama")
+    torch_api.replace_rms_norm(model, fuse_residual=True)
+    torch._dynamo.reset()
+    logits, grads = _logits_and_grads(torch.compile(model, backend="aot_eager", fullgraph=fullgraph))
+    logits_ref, grads_ref = _logits_and_grads(ref)
+    assert _same(logits, logits_ref)
+    assert all(_same(g, grads_ref[n.removeprefix("_orig_mod.")]) for n, g in grads.items())
+
+
+@pytest.mark.slow  # ~45 s in the interpreter
+def test_patched_model_dynamic_sequence_lengths():
+    """A patched Llama (norms and fused residual) compiled with dynamic=True over 20 sequence lengths: at most
+    two graphs (torch specializes a length of 1 and may start static), eager's logits at every length."""
+    ref, model = _model("llama"), _model("llama")
+    torch_api.replace_rms_norm(model, fuse_residual=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n in range(2, 22):
+            ids = torch.randint(3, TINY["vocab_size"], (1, n), generator=gen).to(DEVICE)
+            assert _same(compiled(input_ids=ids).logits, ref(input_ids=ids).logits), n
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_autocast_takes_the_fused_path(monkeypatch):
+    """fp32 weights under bf16 autocast: the residual stream is fp32, the attention output bf16; the fused op
+    takes the fp32 operand as x (the norm of the fp32 sum): the layer's logits bit for bit; fp32 gradients
+    through the kernels' backward (not autograd's op by op), to within fp32 rounding."""
+    ref, model = _model("llama", torch.float32), _model("llama", torch.float32)
+    torch_api.replace_rms_norm(model, fuse_residual=True)
+    module = sys.modules["torch_api.add_rms_norm"]
+    fused_calls, real = [], module.add_rms_norm
+    monkeypatch.setattr(module, "add_rms_norm", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        logits_ref, grads_ref = _logits_and_grads(ref)
+        logits, grads = _logits_and_grads(model)
+    assert len(fused_calls) == TINY["num_hidden_layers"] and _same(logits, logits_ref)
+    assert grads.keys() == grads_ref.keys() and all(_rel_l2(g, grads_ref[n]) < 1e-5 for n, g in grads.items())
+
+
+def test_unfused_residual_add_warns_once():
+    from torch_api.hf import fuse
+
+    norm = LlamaRMSNorm(8).to(DEVICE)
+    h, r = torch.randn(2, 8, device=DEVICE, dtype=torch.float16), torch.randn(2, 8, device=DEVICE,
+                                                                             dtype=torch.bfloat16)
+    fuse._WARNED.clear()
+    with pytest.warns(UserWarning, match="runs unfused"):
+        y, s = fuse._add_norm(norm, h, r)
+    assert _same(s, r + h) and _same(y, norm(r + h))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fuse._add_norm(norm, h, r)
+
+
+def test_torch_nn_rms_norm_patched_by_its_math():
+    """torch.nn.RMSNorm computes olmo2's math (eps None: FP32's epsilon); an instance over two dims stays eager."""
+    assert hf.norm_math(torch.nn.RMSNorm) == hf.NormMath("olmo2", "eps", eps_none=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.RMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5, elementwise_affine=False),
+                                torch.nn.RMSNorm([2, 8])).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.normal_(1.0, 0.5)
+    ref = copy.deepcopy(model)
+    assert torch_api.replace_rms_norm(model) == 3
+    x = torch.randn(5, 16, device=DEVICE, dtype=torch.bfloat16)
+    calls = []
+    with _counting_rms_norm(calls):
+        outs = [model[0](x), model[1](x), model[2](x.view(5, 2, 8))]
+    assert len(calls) == 2
+    assert all(_same(a, b) for a, b in zip(outs, [ref[0](x), ref[1](x), ref[2](x.view(5, 2, 8))]))
+
+
+@contextlib.contextmanager
+def _counting_rms_norm(calls: list):
+    real = norm_forward.rms_norm
+    norm_forward.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        yield
+    finally:
+        norm_forward.rms_norm = real

@@ -642,7 +642,7 @@ def test_eager_training_step_takes_the_direct_path(monkeypatch):
         for _ in range(2):  # a miss, then a hit
             launched.clear()
             y = torch_api.rms_norm(x, w, 1e-6)
-            assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
+            assert type(y.grad_fn).__name__ == "RMSNormFunctionBackward"
             dx, dw = torch.autograd.grad(y, (x, w), dy)
             recipes = (rms_norm_fwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, "llama"),
                        rms_norm_bwd_recipe(3, 40, 1e-6, "bfloat16", "bfloat16", 40, 40, variant="llama"))
@@ -655,3 +655,27 @@ def test_eager_training_step_takes_the_direct_path(monkeypatch):
     for _ in range(2):
         with pytest.raises(ValueError, match="variant"):
             torch_api.rms_norm(x.detach(), w.detach(), 1e-6, variant="bogus")
+
+
+def test_module_construction_reset_eps_and_meta_init():
+    """RMSNorm checks its width when built, has reset_parameters (meta-device init, then to_empty) and a
+    settable eps (also HF's variance_epsilon)."""
+    with pytest.raises(TypeError, match="hidden_size"):
+        torch_api.RMSNorm([2, 8])
+    with pytest.raises(ValueError, match="hidden_size"):
+        torch_api.RMSNorm(-1)
+    with torch.device("meta"):
+        m = torch_api.RMSNorm(16, dtype=torch.bfloat16)
+        gemma = torch_api.RMSNorm(16, variant="gemma")
+    m.to_empty(device=DEVICE)
+    gemma.to_empty(device=DEVICE)
+    for module in (m, gemma):
+        module.reset_parameters()
+    assert torch.equal(m.weight, torch.ones_like(m.weight))
+    assert torch.equal(gemma.weight, torch.zeros_like(gemma.weight))
+    m.eps = 1e-3
+    assert m.variance_epsilon == 1e-3
+    with pytest.raises(ValueError, match="eps"):
+        m.eps = -1.0
+    x = torch.randn(4, 16, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(m(x), torch_api.rms_norm(x, m.weight, 1e-3))

@@ -2,7 +2,7 @@
 
 import torch
 
-from torch_api.add_rms_norm import RMSNorm, add_rms_norm
+from torch_api.add_rms_norm import add_rms_norm
 from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
 from torch_api.grouped_mm import grouped_mm
@@ -15,7 +15,7 @@ from torch_api.permute import (
     topk_permute_indices,
     unpermute_rows,
 )
-from torch_api.rms_norm import rms_norm
+from torch_api.rms_norm import RMSNorm, rms_norm
 
 if torch.distributed.is_available():
     import torch_api.sharding  # noqa: F401  (DTensor sharding strategies of the xkern ops)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import operator
-import threading
 
 import torch
 from torch.autograd import forward_ad
@@ -49,39 +49,59 @@ def check_tensor(name: str, t) -> None:
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _peek_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-# How an eager call runs (`eager`). Not eager is 0 (falsy): `if eager(...)` reads "may launch directly".
-REGISTERED = 0  # the registered op: compiled or traced, a tensor subclass, a dispatch mode
-DIRECT = 1      # the executor, no autograd: nothing requires grad, no transform
-AUTOGRAD = 2    # the op's autograd.Function through the C++ apply (`fast_apply`)
-TRANSFORM = 3   # forward-mode AD or a functorch transform is active: the Function's `jvp` or `vmap` may run
 _is_compiling = torch.compiler.is_compiling
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 _grad_enabled = torch.is_grad_enabled
 
 
-def eager(*tensors: torch.Tensor | None) -> int:
-    """How an eager call runs, in one pass over its tensors (None: an absent optional input): REGISTERED
-    (falsy) unless they are plain tensors, not being compiled or traced, no dispatch mode active; then
-    TRANSFORM under forward-mode AD or a functorch transform (the op's autograd.Function takes the call: its
-    forward then sees plain tensors), AUTOGRAD where grad mode is on and a tensor requires grad, else DIRECT
-    (a cached `Executor`)."""
+# How a call runs: every op's public function asks, in this order,
+#   direct(...)  -> the cached executor alone (plain tensors, no autograd, no transform: one pass, the hot path
+#                   of inference and of a backward's own launches);
+#   traced(...)  -> the registered op (torch.compile, export, tensor subclasses such as DTensor, dispatch modes;
+#                   its autograd is the op's autograd.Function's rules);
+#   else         -> the op's autograd.Function, whose forward launches the executor.
+
+
+def direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call may launch its executor with no autograd node: plain tensors (None: an absent
+    optional input), none requiring grad under grad mode, not compiled or traced, no dispatch mode, no
+    forward-mode AD or functorch transform. One pass: 0.7 µs on the CPU (2026-12-07)."""
     grad = _grad_enabled()
-    needs = False
     for t in tensors:
-        if t is not None:
-            if type(t) not in _PLAIN:
-                return REGISTERED
-            if grad and t.requires_grad:
-                needs = True
+        if t is not None and (type(t) not in _PLAIN or grad and t.requires_grad):
+            return False
+    return not (_is_compiling() or _dispatch_modes() or forward_ad._current_level >= 0 or
+                _peek_functorch() is not None)
+
+
+def direct_or_batched(*tensors: torch.Tensor | None) -> bool:
+    """`direct`, for calls a backward makes too: False also for gradients batched by
+    autograd.grad(is_grads_batched=True), which have no storage of their own (`traced` takes them: the
+    registered op's batching fallback runs it per example). 0.1 µs a tensor more than `direct`."""
+    if not direct(*tensors):
+        return False
+    for t in tensors:
+        if t is not None and _legacy_batched(t):
+            return False
+    return True
+
+
+def traced(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call must go through the registered op: being compiled or traced, a dispatch mode active,
+    or a tensor (None: an absent optional input) of a subclass (DTensor, FakeTensor, FunctionalTensor) or
+    without storage of its own (autograd.grad(is_grads_batched=True) batches gradients so: the op's batching
+    fallback then runs it per example)."""
     if _is_compiling() or _dispatch_modes():
-        return REGISTERED
-    if forward_mode():
-        return TRANSFORM
-    return AUTOGRAD if needs else DIRECT
+        return True
+    for t in tensors:
+        # (a batched gradient requires no grad: the check, 0.1 µs, is skipped for a forward's leaves)
+        if t is not None and (type(t) not in _PLAIN or not t.requires_grad and _legacy_batched(t)):
+            return True
+    return False
 
 
 def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, jacrev, ...) is active."""
     return _peek_functorch() is not None
 
 
@@ -91,29 +111,44 @@ def forward_mode() -> bool:
     return forward_ad._current_level >= 0 or _peek_functorch() is not None
 
 
-def fast_apply(function: type[torch.autograd.Function]):
-    """`function.apply` without its Python wrapper (which re-binds default arguments through
-    inspect.signature on every call), for calls with every argument given and no functorch transform
-    active; the wrapper where this torch has no such C++ entry point."""
+def differentiable_backward() -> bool:
+    """Whether a backward must itself be differentiable or batchable: create_graph (grad mode on inside the
+    backward), a functorch transform (torch.func.grad, vmap of a backward, is_grads_batched), or forward-mode AD.
+    Such backwards take the eager math's derivatives in torch ops instead of the kernels."""
+    return _grad_enabled() or forward_mode()
+
+
+def raw_apply(function: type[torch.autograd.Function]):
+    """`function.apply` without its Python wrapper, for calls that give every argument with no functorch
+    transform active (under one, call `function.apply`: functorch's `custom_function_call` needs the wrapper).
+    The wrapper binds the arguments through inspect.signature on every call: RMSNormFunction's forward
+    took 70 µs through it against 15 through the C++ apply (CPU, launches stubbed, 2026-12-07); a third of an
+    eager training step's host time on the H200's host (2026-12-03). The wrapper where this torch has no such
+    C++ entry point."""
     raw = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
     return raw.__get__(None, function) if raw is not None else function.apply
 
 
-def needs_autograd(*tensors: torch.Tensor | None) -> bool:
-    """Whether an eager call must go through its autograd.Function: a tensor (None: absent) requires grad,
-    forward-mode AD is on, or a functorch transform (torch.func.grad/jvp/vmap) is active."""
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if t is not None and t.requires_grad:
-                return True
-    return forward_mode()
+def loop_vmap(apply_fn, info, in_dims, *args):
+    """A Function's `vmap` rule that runs it once per example and stacks the results on dim 0: for the
+    batched forms no kernel takes (per-example indices or weights). Non-tensor arguments pass through."""
+    size = info.batch_size
+    per = [a.movedim(d, 0).unbind(0) if d is not None else (a,) * size for a, d in zip(args, in_dims)]
+    outs = [apply_fn(*(p[i] for p in per)) for i in range(size)]
+    if isinstance(outs[0], tuple):
+        return tuple(None if o[0] is None else torch.stack([r[j] for r in outs]) for j, o in
+                     enumerate(zip(*outs))), tuple(None if o[0] is None else 0 for o in zip(*outs))
+    return torch.stack(outs), 0
 
 
 # ---------------------------------------------------------------------------------------------------
 # The eager fast path, the same for every op: one cache of executors keyed on the call signature (the op's
 # name and everything its checks and its plan read: shapes, strides, dtypes, devices, scalars), the
-# arguments checked once, on a miss, by the function that builds the executor.
+# arguments checked once, on a miss, by the function that builds the executor. Bounded: a server that sees
+# every sequence length keeps the last MAX_EXECUTORS signatures (first in, first out; a miss costs one
+# plan lookup, the core's lru_caches, and one executor build).
 
+MAX_EXECUTORS = 1024
 _EXECUTORS: dict = {}
 
 
@@ -136,13 +171,17 @@ def clear_executors() -> None:
 
 def cached(key: tuple, make, *args):
     """The executor cached under `key`, else `make(*args)` (which checks the arguments, then builds it) cached
-    there. A key that cannot be hashed (an unhashable scalar) builds without caching: make's checks name it."""
+    there, the oldest entry dropped beyond MAX_EXECUTORS. A key that cannot be hashed (an unhashable scalar)
+    builds without caching: make's checks name it."""
     try:
         ex = _EXECUTORS.get(key)
     except TypeError:
         return make(*args)
     if ex is None:
-        ex = _EXECUTORS[key] = make(*args)
+        ex = make(*args)
+        while len(_EXECUTORS) >= MAX_EXECUTORS:
+            del _EXECUTORS[next(iter(_EXECUTORS))]
+        _EXECUTORS[key] = ex
     return ex
 
 
@@ -221,28 +260,47 @@ def _alloc(buffer, device) -> torch.Tensor:
     return torch.full(buffer.shape, buffer.fill, dtype=dtype, device=device)
 
 
-_TRACING = threading.local()
+def symbolic(*args) -> bool:
+    """Whether a tensor among `args` has a symbolic size or stride (torch.compile with dynamic shapes,
+    mark_dynamic, torch.export with a Dim): its plan cannot be chosen while tracing."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and not all(type(s) is int for s in (*a.shape, *a.stride())):
+            return True
+    return False
 
 
-def register_op(name: str):
-    """Decorator: `fn` as the op `name`, a `torch.library.triton_op`, so that Inductor launches its kernels
-    from the generated code. Under the interpreter, whose kernels torch cannot trace, an opaque custom op
-    whose fake implementation is `fn` with its launches skipped."""
+def register_op(name: str, fake):
+    """Decorator: `fn` as the op `name`, with `fake(*args)` giving its outputs' shapes and dtypes from the
+    inputs' alone, so that a traced row count stays symbolic (plans are chosen per call, at run time).
+
+    On the GPU a `torch.library.triton_op`, so that Inductor launches its kernels from the generated code; a
+    call traced with symbolic sizes goes to its twin `name + "_any"` instead, an opaque custom op (`fake`
+    traced, `fn` run with the concrete shapes): one graph for every row count. Under the interpreter, whose
+    kernels torch cannot trace, the op itself is an opaque custom op with `fake`."""
 
     def wrap(fn):
-        if not INTERPRET:
-            return torch.library.triton_op(name, mutates_args=())(fn)
-        op = torch.library.custom_op(name, mutates_args=())(fn)
+        if INTERPRET:
+            op = torch.library.custom_op(name, mutates_args=())(fn)
+            op.register_fake(fake)
+            return op
+        from torch._library.triton import set_wrap_triton_enabled
 
-        def fake(*args, **kwargs):
-            _TRACING.active = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _TRACING.active = False
+        def run_any(*args):
+            with set_wrap_triton_enabled(False):  # launched from Python, as triton_op's own eager calls
+                return fn(*args)
 
-        op.register_fake(fake)
-        return op
+        signature = inspect.signature(fn, eval_str=True)  # annotations resolved in fn's module
+        run_any.__signature__ = signature
+        twin = torch.library.custom_op(name + "_any", mutates_args=())(run_any)
+        twin.register_fake(fake)
+
+        @functools.wraps(fn)
+        def body(*args):
+            return twin(*args) if symbolic(*args) else fn(*args)
+
+        body.__signature__ = signature
+
+        return torch.library.triton_op(name, mutates_args=())(body)
 
     return wrap
 
@@ -260,9 +318,7 @@ def run_recipe(recipe: Recipe, device, **inputs: torch.Tensor) -> list[torch.Ten
 
 def launch(plan: Launch, *arrays: torch.Tensor, **scalars) -> None:
     """Launch one plan on `arrays` (its inputs, then its outputs) through `wrap_triton` (traceable by
-    Inductor), or the interpreter; skipped while an interpreted op's fake implementation runs."""
-    if getattr(_TRACING, "active", False):
-        return
+    Inductor), or the interpreter."""
     kwargs = bind(plan, arrays, scalars)
     if INTERPRET:
         run_interpreted(lambda: plan.kernel[plan.grid](**kwargs))
@@ -346,82 +402,111 @@ _CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
 class Executor:
-    """A recipe bound for eager launches: cache one per call signature (shapes, strides, dtypes, scalars)
-    and call it with the input tensors. `shapes` gives some buffers another shape of the same size
+    """A recipe bound for eager launches: cache one per call signature (shapes, strides, dtypes, device,
+    scalars) and call it with the input tensors. `shapes` gives some buffers another shape of the same size
     (contiguous, so the same layout), e.g. a result in x's shape.
 
-    The launchers are built once and the call is generated as straight-line Python (allocate, launch, in
-    the recipe's order): a loop over the steps cost the host ~2.6 µs more per two-step call. Unfilled 1-D
-    buffers of one dtype (the index ops' tables and results) are carved from one allocation
-    (`split_with_sizes`, each piece at a 16-byte boundary): generate_permute_indices makes 5 buffers from 1.
-    `wrap` replaces each launcher by `wrap(launcher)` (the host benchmark's floor: empty kernels)."""
+    Built once: every buffer's allocation (all made before the first launch, in the recipe's order) and every
+    step's launcher with the positions of its arguments, so that a call is two flat loops. Where the inputs sit
+    on the current CUDA device, buffers come from the allocation Inductor's generated code makes (`_ALLOC`: a
+    third of torch.empty's host time, 2026-12-02). Unfilled 1-D buffers of one dtype (the index ops' tables and
+    results) are carved from one allocation (`split_with_sizes`, each piece at a 16-byte boundary):
+    generate_permute_indices makes 5 buffers from 1. `wrap` replaces each launcher by `wrap(launcher)` (the
+    host benchmark's floor: empty kernels)."""
 
     def __init__(self, recipe: Recipe, input_names: tuple[str, ...], shapes: dict | None = None, wrap=None):
         self.recipe, self.input_names, self.shapes = recipe, input_names, shapes
         shapes = shapes or {}
-        # int(): the shapes are written into the generated code (a numpy integer would print as np.int64(8))
-        outs = [(tuple(int(d) for d in shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill)
-                for step in recipe.steps for b in step.outputs]
+        buffers = [b for step in recipe.steps for b in step.outputs]
+        outs = [(tuple(int(d) for d in shapes.get(b.name, b.shape)), DTYPES[b.dtype], b.fill) for b in buffers]
         pools: dict = {}  # dtype -> positions (in `outs`) of its unfilled 1-D buffers
         for at, (shape, dtype, fill) in enumerate(outs):
             if fill is None and len(shape) == 1:
                 pools.setdefault(dtype, []).append(at)
         pools = {dtype: members for dtype, members in pools.items() if len(members) > 1}
-        env = {"empty": torch.empty, "full": torch.full, "alloc": _ALLOC, "current": _CURRENT_DEVICE}
-        for k, (_, dtype, fill) in enumerate(outs):
-            env[f"D{k}"], env[f"F{k}"] = dtype, fill
-        launches = []
-        for j, step in enumerate(recipe.steps):
+        pooled = {at for members in pools.values() for at in members}
+        # The allocations, in the order a call makes them: each pool (its pieces, padding dropped), then the
+        # other buffers one by one. `made`: which buffer each made tensor is.
+        self._allocs, made = [], []
+        for dtype, members in pools.items():
+            align = 16 // torch.empty((), dtype=dtype).element_size()
+            sizes, keep = [], []
+            for at in members:
+                size = outs[at][0][0]
+                keep.append(len(sizes))
+                sizes += [size, -size % align] if at != members[-1] and size % align else [size]
+            self._allocs.append(((sum(sizes),), dtype, None, (sizes, tuple(keep))))
+            made += members
+        for at, (shape, dtype, fill) in enumerate(outs):
+            if at not in pooled:
+                self._allocs.append((shape, dtype, fill, None))
+                made.append(at)
+        n_in = len(input_names)
+        where = {name: i for i, name in enumerate(input_names)}  # env: the inputs, then the made tensors
+        where.update({buffers[at].name: n_in + k for k, at in enumerate(made)})
+        self._launches = []
+        for step in recipe.steps:
             if step.launch is not None:
                 launcher = _Launcher(step.launch, len(step.inputs), len(step.outputs), step.scalars)
-                env[f"L{j}"] = launcher if wrap is None else wrap(launcher)
-                launches.append(j)
-        self.launches = len(launches)
-        self.allocations = len(pools) + sum(1 for at in range(len(outs)) if all(at not in m for m in pools.values()))
-        args = ", ".join(f"a{i}" for i in range(len(input_names)))
-        code = [f"def run({args}):", "    dev = a0.device", "    n = dev.index",
-                f"    if n != current():  # not the current CUDA device (or CPU): through torch.empty\n"
-                f"        return run_any({args})"]
-        for fast in (True, False):
-            if not fast:
-                code += [f"def run_any({args}):", "    dev = a0.device", "    n = dev.index"]
-            code += self._body(recipe, input_names, outs, pools, env, launches, fast)
-        exec("\n".join(code), env)  # noqa: S102 - our own code, from the recipe's names and shapes
-        self.run = env["run"] if _ALLOC is not None and _CURRENT_DEVICE is not None else env["run_any"]
+                args = tuple(where[n] for n in step.inputs) + tuple(where[b.name] for b in step.outputs)
+                self._launches.append((launcher if wrap is None else wrap(launcher), operator.itemgetter(*args)))
+        results = tuple(where[n] for n in recipe.results)
+        # itemgetter: a C call where a list comprehension is a Python frame (~0.3 µs each); one result: a slice
+        self._results = (operator.itemgetter(slice(results[0], results[0] + 1)) if len(results) == 1 else
+                         operator.itemgetter(*results))
+        self.launches, self.allocations = len(self._launches), len(self._allocs)
+        self._pools = tuple((shape, dtype, *pool) for shape, dtype, fill, pool in self._allocs if pool is not None)
+        self._singles = tuple((shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype, fill)
+                              for shape, dtype, fill, pool in self._allocs if pool is None)
+        self._makers: dict = {}  # fast (bool) -> `_single_makers`
+        if len(self._launches) == 1 and len(self._singles) == 1 and not self._pools and self._singles[0][3] is None \
+                and results == (n_in,):
+            self.run = self._run_one
 
-    @staticmethod
-    def _body(recipe, input_names, outs, pools, env, launches, fast: bool) -> list[str]:
-        """The generated call's statements: allocations (`alloc`: the current device's caching allocator
-        without torch.empty's argument parsing, as Inductor's generated code allocates), then the launches."""
-        def new(shape, dtype):
-            strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            return f"alloc({shape}, {strides}, {dtype})" if fast else f"empty({shape}, dtype={dtype}, device=dev)"
+    def _run_one(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """`run` of a recipe of one launch writing one buffer (most forwards and every gather): no loops, 3.1
+        against `run`'s 3.5 µs per call on the CPU (launches stubbed, 2026-12-07)."""
+        device = inputs[0].device
+        n = device.index
+        shape, strides, dtype, _ = self._singles[0]
+        out = _ALLOC(shape, strides, dtype) if _ALLOC is not None and n == _CURRENT_DEVICE() else \
+            torch.empty(shape, dtype=dtype, device=device)
+        launcher, args = self._launches[0]
+        launcher(args((*inputs, out)), n)
+        return [out]
 
-        code, source = [], {}
-        for k, (dtype, members) in enumerate(pools.items()):
-            sizes = []
-            align = 16 // torch.empty((), dtype=dtype).element_size()
-            for at in members:
-                source[at] = f"p{k}[{len(sizes)}]"
-                size = outs[at][0][0]
-                sizes += [size, -size % align] if at != members[-1] and size % align else [size]
-            env[f"S{k}"] = sizes
-            code.append(f"    p{k} = {new((sum(sizes),), f'D{members[0]}')}.split_with_sizes(S{k})")
-        var = {name: f"a{i}" for i, name in enumerate(input_names)}
-        at = 0
-        for j, step in enumerate(recipe.steps):
-            names = []
-            for b in step.outputs:
-                var[b.name] = name = f"b{at}"
-                shape, _, fill = outs[at]
-                code.append(f"    {name} = " + (source.get(at) or (new(shape, f"D{at}") if fill is None else
-                                                                f"full({shape}, F{at}, dtype=D{at}, device=dev)")))
-                names.append(name)
-                at += 1
-            if j in launches:
-                code.append(f"    L{j}([{', '.join([var[n] for n in step.inputs] + names)}], n)")
-        code.append(f"    return [{', '.join(var[n] for n in recipe.results)}]")
-        return code
+    def _single_makers(self, device: torch.device, fast: bool) -> tuple:
+        """The unpooled buffers' allocations on `device` as argument-free callables (C partials: no tuple
+        unpacking per call)."""
+        makers = []
+        for shape, strides, dtype, fill in self._singles:
+            if fill is not None:
+                makers.append(functools.partial(torch.full, shape, fill, dtype=dtype, device=device))
+            elif fast:
+                makers.append(functools.partial(_ALLOC, shape, strides, dtype))
+            else:
+                makers.append(functools.partial(torch.empty, shape, dtype=dtype, device=device))
+        return tuple(makers)
+
+    def run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Allocate every buffer, launch every step, return the results: two flat loops over prebuilt tuples."""
+        device = inputs[0].device
+        n = device.index
+        env = [*inputs]
+        fast = _ALLOC is not None and n == _CURRENT_DEVICE()  # the current CUDA device (a CPU index is None)
+        if self._pools:
+            for shape, dtype, sizes, keep in self._pools:
+                whole = _ALLOC(shape, (1,), dtype) if fast else torch.empty(shape, dtype=dtype, device=device)
+                pieces = whole.split_with_sizes(sizes)
+                env += [pieces[i] for i in keep]
+        makers = self._makers.get(fast)
+        if makers is None:
+            makers = self._makers[fast] = self._single_makers(device, fast)
+        for make in makers:
+            env.append(make())
+        for launcher, args in self._launches:
+            launcher(args(env), n)
+        return self._results(env)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         return self.run(*inputs)

@@ -1,12 +1,13 @@
-"""Fused residual add + RMSNorm for PyTorch: `add_rms_norm`, the `xkern::add_rms_norm_*` ops behind it, and the
-`RMSNorm` module (`rms_norm`, or `add_rms_norm` when given a residual).
+"""Fused residual add + RMSNorm for PyTorch: `add_rms_norm` and the `xkern::add_rms_norm_*` ops behind it (the
+`RMSNorm` module, which takes a residual too, is in `torch_api/rms_norm.py`).
 
 `y, residual_out = add_rms_norm(x, residual, w)` is Hugging Face's decoder-layer pair `residual_out = x +
 residual; y = norm(residual_out)` in one kernel (one read of x and residual, one write of y and residual_out),
 and its backward one kernel too (reads dy, residual_out's gradient, residual_out and w once each). Eager calls
 on plain tensors launch the recipes directly (an executor per call signature, autograd through
-`_AddRMSNormFunction`); everything else (torch.compile, export, DTensor) goes through the registered
-`torch.library.triton_op`s. The recipes and the rounding contract are in `xkern/add_rms_norm.py`.
+`AddRMSNormFunction`, whose setup_context and backward are also the registered op's); everything else
+(torch.compile, export, DTensor) goes through the registered `torch.library.triton_op`s. The recipes and the
+rounding contract are in `xkern/add_rms_norm.py`.
 
 Autodiff: reverse mode through the joint backward kernel, with None for an unused gradient of either output.
 Forward-mode AD and torch.func transforms (jvp, vmap, grad) take the composite expression, as do second
@@ -22,32 +23,32 @@ from typing import Optional
 import torch
 
 from torch_api._launch import (
-    AUTOGRAD,
-    DIRECT,
+    DTYPES,
     Executor,
     aligned,
     aligned_weight,
     cached,
     check_device,
     check_tensor,
+    differentiable_backward,
+    direct,
     dtype_name,
     dtype_or_none,
-    eager,
-    fast_apply,
     flat_weight,
     forward_mode,
-    functorch_active,
+    raw_apply,
     readable,
     register_op,
     rows_layout,
     rows_view,
     run_recipe,
     signature,
+    traced,
 )
 from torch_api.rms_norm import reference_math, rms_norm
 from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe, check_add_rms_norm
 from xkern.launch import check_float
-from xkern.rms_norm import check_variant
+from xkern.rms_norm import check_variant, out_dtype_name
 
 
 def _check(x, residual, weight, eps, variant, residual_dtype) -> tuple[str, str]:
@@ -73,7 +74,17 @@ def _check(x, residual, weight, eps, variant, residual_dtype) -> tuple[str, str]
 # Registered ops. `variant` is check_variant's ("none" without a weight); dtypes by name.
 
 
-@register_op("xkern::add_rms_norm_fwd")
+def _fwd_fake(x, residual, weight, eps, variant, residual_dtype):
+    y = x.new_empty(x.shape, dtype=DTYPES[out_dtype_name(dtype_name(x.dtype), dtype_or_none(weight), variant)])
+    return y, x.new_empty(x.shape, dtype=DTYPES[residual_dtype])
+
+
+def _bwd_fake(dy, dres, residual_out, weight, eps, variant, x_dtype):
+    dw = residual_out.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
+    return residual_out.new_empty(residual_out.shape), dw
+
+
+@register_op("xkern::add_rms_norm_fwd", _fwd_fake)
 def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                      variant: str, residual_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out), both contiguous in x's shape."""
@@ -85,7 +96,7 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
     return y.view(x.shape), res.view(x.shape)
 
 
-@register_op("xkern::add_rms_norm_bwd")
+@register_op("xkern::add_rms_norm_bwd", _bwd_fake)
 def add_rms_norm_bwd(dy: torch.Tensor, dres: Optional[torch.Tensor], residual_out: torch.Tensor,
                      weight: Optional[torch.Tensor], eps: float, variant: str,
                      x_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,41 +126,6 @@ def _composite(x, residual, weight, eps, variant, res_dtype: torch.dtype):
     """The contract in differentiable torch ops (forward-mode AD, torch.func)."""
     s = (x.float() + residual.float()).to(res_dtype)
     return _y(s, weight, eps, variant, x.dtype), s
-
-
-def _setup_context(ctx, inputs, output):
-    x, residual, weight, eps, variant, _ = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.variant, ctx.x_dtype, ctx.r_dtype = eps, variant, x.dtype, residual.dtype
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dy, dres):
-    res, weight = ctx.saved_tensors
-    if dy is None and dres is None:
-        return None, None, None, None, None, None
-    if dy is None:  # y unused: d(sum) is residual_out's gradient alone
-        dsum, dw = dres, None if weight is None else torch.zeros_like(weight)
-    elif torch.is_grad_enabled():  # create_graph: a differentiable backward, through the composite
-        with torch.enable_grad():
-            s = res if res.requires_grad else res.detach().requires_grad_()
-            y = _y(s, weight, ctx.eps, ctx.variant, ctx.x_dtype)
-        wants = [t for t in (s, weight) if t is not None and t.requires_grad]
-        grads = dict(zip(map(id, wants), torch.autograd.grad(y, wants, dy, create_graph=True, allow_unused=True)))
-        dsum, dw = grads.get(id(s)), None if weight is None else grads.get(id(weight))
-        dsum = torch.zeros_like(res) if dsum is None else dsum
-        dsum = dsum if dres is None else dsum + dres
-    elif getattr(ctx, "direct", False):
-        dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, ctx.variant, ctx.x_dtype)
-    else:
-        dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, ctx.variant,
-                                                    dtype_name(ctx.x_dtype))
-    dx = dsum if dsum.dtype == ctx.x_dtype else dsum.to(ctx.x_dtype)
-    dr = dx if ctx.r_dtype == ctx.x_dtype else dsum.to(ctx.r_dtype)
-    return dx, dr, None if weight is None else dw, None, None, None
-
-
-add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -210,28 +186,61 @@ def _backward_direct(dy, dres, res, weight, eps, variant, x_dtype):
     return cached(key, _Backward, dy, dres, res, weight, eps, variant, x_dtype)(dy, dres, res, weight)
 
 
-class _AddRMSNormFunction(torch.autograd.Function):
-    """Eager autograd over the direct launches (plain tensors, no transform): the registered op's backward.
-    `fwd`: the call signature's `_Forward` (checked arguments, eps, variant, residual_out's dtype)."""
+class AddRMSNormFunction(torch.autograd.Function):
+    """add_rms_norm's autograd, for the eager calls and (setup_context, backward) the registered op's. Forward-mode
+    AD and torch.func take the composite (`add_rms_norm`), so this Function has no jvp or vmap."""
 
     @staticmethod
-    def forward(x, residual, weight, fwd):
-        return fwd(x, residual, weight)
+    def forward(x, residual, weight, eps, variant, residual_dtype):
+        return _forward(x, residual, weight, eps, variant, residual_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, residual, weight, fwd = inputs
-        _setup_context(ctx, (x, residual, weight, fwd.eps, fwd.variant, None), output)
-        ctx.direct = True
+        x, residual, weight, eps, variant, _ = inputs
+        ctx.save_for_backward(output[1], weight)
+        ctx.eps, ctx.variant, ctx.x_dtype, ctx.r_dtype = eps, variant, x.dtype, residual.dtype
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dy, dres):
-        return _backward(ctx, dy, dres)[:4]
+        res, weight = ctx.saved_tensors
+        if dy is None and dres is None:
+            return None, None, None, None, None, None
+        variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
+        if dy is None:  # y unused: d(sum) is residual_out's gradient alone
+            dsum, dw = dres, None if weight is None else torch.zeros_like(weight)
+        elif differentiable_backward():  # create_graph: a differentiable backward, through the composite
+            dsum, dw = _composite_backward(dy, dres, res, weight, ctx.eps, variant, ctx.x_dtype)
+        elif traced(dy, dres):  # (residual_out and weight are of the forward's kind, as its outputs are)
+            dsum, dw = torch.ops.xkern.add_rms_norm_bwd(dy, dres, res, weight, ctx.eps, variant,
+                                                        dtype_name(ctx.x_dtype))
+        else:
+            dsum, dw = _backward_direct(dy, dres, res, weight, ctx.eps, "llama" if weight is None else ctx.variant,
+                                        ctx.x_dtype)
+        dx = dsum if dsum.dtype == ctx.x_dtype else dsum.to(ctx.x_dtype)
+        dr = dx if ctx.r_dtype == ctx.x_dtype else dsum.to(ctx.r_dtype)
+        return dx, dr, None if weight is None else dw, None, None, None
 
 
-# Without a functorch transform (add_rms_norm takes the composite under one) the C++ apply does the work of
-# Function.apply's Python wrapper (see `fast_apply`).
-_apply_add_rms_norm = fast_apply(_AddRMSNormFunction)
+def _composite_backward(dy, dres, res, weight, eps, variant, x_dtype):
+    """(d(sum), dw) through `_y`'s autograd, itself differentiable (create_graph)."""
+    with torch.enable_grad():
+        s = res if res.requires_grad else res.detach().requires_grad_()
+        y = _y(s, weight, eps, variant, x_dtype)
+    wants = [t for t in (s, weight) if t is not None and t.requires_grad]
+    grads = dict(zip(map(id, wants), torch.autograd.grad(y, wants, dy, create_graph=True, allow_unused=True)))
+    dsum, dw = grads.get(id(s)), None if weight is None else grads.get(id(weight))
+    dsum = torch.zeros_like(res) if dsum is None else dsum
+    return (dsum if dres is None else dsum + dres), dw
+
+
+add_rms_norm_fwd.register_autograd(AddRMSNormFunction.backward, setup_context=AddRMSNormFunction.setup_context)
+_apply = raw_apply(AddRMSNormFunction)
+
+
+def _forward(x, residual, weight, eps: float, variant, residual_dtype):
+    key = ("add_rms_norm_fwd", signature(x), signature(residual), signature(weight), eps, variant, residual_dtype)
+    return cached(key, _Forward, x, residual, weight, eps, variant, residual_dtype)(x, residual, weight)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
@@ -249,43 +258,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     backward returns one gradient, d(residual_out), for x and residual (the same tensor when their dtypes
     match, else converted to each)."""
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
-    how = eager(x, residual, weight)
-    if how == DIRECT or how == AUTOGRAD:
-        key = ("add_rms_norm_fwd", signature(x), signature(residual), signature(weight), eps, variant,
-               residual_dtype)
-        fwd = cached(key, _Forward, x, residual, weight, eps, variant, residual_dtype)
-        return fwd(x, residual, weight) if how == DIRECT else _apply_add_rms_norm(x, residual, weight, fwd)
-    res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
-    if not torch.compiler.is_compiling() and (forward_mode() or functorch_active()):
+    if direct(x, residual, weight):
+        return _forward(x, residual, weight, eps, variant, residual_dtype)
+    if traced(x, residual, weight):
+        res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
+        return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, eps, variant, res_name)
+    if forward_mode():  # forward-mode AD or torch.func: the composite
+        res_name, variant = _check(x, residual, weight, eps, variant, residual_dtype)
         return _composite(x, residual, weight, eps, variant, getattr(torch, res_name))
-    return torch.ops.xkern.add_rms_norm_fwd(x, residual, weight, eps, variant, res_name)
-
-
-class RMSNorm(torch.nn.Module):
-    """Drop-in Hugging Face-style RMSNorm module: `weight` and `eps`, forward = `rms_norm`.
-
-    variant: as `rms_norm`'s; the weight starts at ones, or zeros for "gemma" (whose scale is `1 + w`), so a
-    fresh module is the identity scale. weight=False: no weight parameter (`normed.to(x.dtype)`)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, variant: str = "llama",
-                 weight: bool = True):
-        super().__init__()
-        self.variant = variant
-        check_variant(variant, weight)
-        init = torch.zeros if variant == "gemma" else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype)) if weight else None
-        self.variance_epsilon = eps
-
-    @property
-    def eps(self) -> float:
-        return self.variance_epsilon
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """`rms_norm(x)`; with a residual, `add_rms_norm(x, residual)`: (y, residual_out)."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
-        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, variant=self.variant)
-
-    def extra_repr(self) -> str:
-        shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else "no weight, "
-        return f"{shape}eps={self.variance_epsilon}" + (f", variant={self.variant}" if self.variant != "llama" else "")
+    return _apply(x, residual, weight, eps, variant, residual_dtype)

@@ -12,21 +12,20 @@ from __future__ import annotations
 import torch
 
 from torch_api._launch import (
-    DIRECT,
-    REGISTERED,
-    TRANSFORM,
     Executor,
     cached,
     check_device,
     check_tensor,
+    direct_or_batched,
     dtype_name,
-    eager,
-    fast_apply,
     forward_mode,
     functorch_active,
+    loop_vmap,
+    raw_apply,
     register_op,
     run_recipe,
     signature,
+    traced,
 )
 from xkern.grouped_mm import (
     check_grouped_mm,
@@ -93,17 +92,18 @@ def _run(form: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
 # Registered ops: torch.compile, export, fake tensors.
 
 
-@register_op("xkern::grouped_mm")
+@register_op("xkern::grouped_mm", lambda x, w, m_offsets: x.new_empty((x.shape[0], w.shape[2])))
 def _fwd_op(x: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
     return _run(FWD, x, w, m_offsets)
 
 
-@register_op("xkern::grouped_mm_dx")
+@register_op("xkern::grouped_mm_dx", lambda dy, w, m_offsets: dy.new_empty((dy.shape[0], w.shape[1])))
 def _dx_op(dy: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
     return _run(DX, dy, w, m_offsets)
 
 
-@register_op("xkern::grouped_mm_dw")
+@register_op("xkern::grouped_mm_dw",
+             lambda x, dy, m_offsets: x.new_empty((m_offsets.shape[0], x.shape[1], dy.shape[1])))
 def _dw_op(x: torch.Tensor, dy: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
     return _run(DW, x, dy, m_offsets)
 
@@ -183,27 +183,28 @@ def _function(form: str) -> type[torch.autograd.Function]:
         backward = staticmethod(_backward(form))
         jvp = staticmethod(_jvp(form))
 
+        @staticmethod
+        def vmap(info, in_dims, a, b, offs):
+            return loop_vmap(Function.apply, info, in_dims, a, b, offs)
+
     Function.__name__ = Function.__qualname__ = f"_{form}"
     return Function
 
 
 FUNCTIONS = {form: _function(form) for form in OPS}
-# autograd.Function.apply's Python wrapper rebinds the arguments on every call (see `fast_apply`).
-_APPLY = {form: fast_apply(f) for form, f in FUNCTIONS.items()}
+# The C++ apply without the Python wrapper (`raw_apply`), where no functorch transform is active.
+_APPLY = {form: raw_apply(f) for form, f in FUNCTIONS.items()}
 
 
 def _call(form: str, a, b, offs) -> torch.Tensor:
     """Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
     compiled and traced code, the ops (checked on every call: tracing is not the hot path)."""
-    how = eager(a, b, offs)
-    if how == DIRECT:
+    if direct_or_batched(a, b, offs):
         return _eager(form, a, b, offs)
-    if how == REGISTERED:
+    if traced(a, b, offs):
         _check(form, a, b, offs)
         return OPS[form](a, b, offs)
-    if how == TRANSFORM and functorch_active():
-        return FUNCTIONS[form].apply(a, b, offs)
-    return _APPLY[form](a, b, offs)
+    return (FUNCTIONS[form].apply if functorch_active() else _APPLY[form])(a, b, offs)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor, validate: bool = False) -> torch.Tensor:

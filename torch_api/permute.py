@@ -15,22 +15,21 @@ from __future__ import annotations
 import torch
 
 from torch_api._launch import (
-    DIRECT,
-    REGISTERED,
-    TRANSFORM,
     Executor,
     cached,
     check_device,
     check_tensor,
+    direct_or_batched,
     dtype_name,
     dtype_or_none,
-    eager,
-    fast_apply,
     forward_mode,
     functorch_active,
+    loop_vmap,
+    raw_apply,
     register_op,
     run_recipe,
     signature,
+    traced,
 )
 from xkern.launch import check_int
 from xkern.permute import (
@@ -118,7 +117,14 @@ def _check_unpermute(y, idx, num_rows: int, top_k: int = 1, probs=None) -> None:
 # probs) have DTensor rules (torch_api/sharding.py); the top_k forms are ops of their own.
 
 
-@register_op("xkern::generate_permute_indices")
+def _index_tables(t: torch.Tensor, max_len: int, n_experts: int):
+    """(permuted_indices [max_len], m_sizes [E], m_offsets [E]), int32, unwritten: the index ops' fake results."""
+    return tuple(t.new_empty((n,), dtype=torch.int32) for n in (max_len, n_experts, n_experts))
+
+
+@register_op("xkern::generate_permute_indices",
+             lambda counts, experts_per_rank, num_ranks, max_len, alignment: _index_tables(counts, max_len,
+                                                                                             experts_per_rank))
 def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, max_len: int,
                  alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = generate_recipe(experts_per_rank, num_ranks, max_len, alignment)
@@ -126,7 +132,8 @@ def _generate_op(counts: torch.Tensor, experts_per_rank: int, num_ranks: int, ma
     return idx, m_sizes, m_offsets
 
 
-@register_op("xkern::topk_permute_indices")
+@register_op("xkern::topk_permute_indices",
+             lambda ids, num_experts, max_len, alignment: _index_tables(ids, max_len, num_experts))
 def _route_op(ids: torch.Tensor, num_experts: int, max_len: int,
               alignment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = route_recipe(int(ids.numel()), num_experts, max_len, alignment)
@@ -134,7 +141,7 @@ def _route_op(ids: torch.Tensor, num_experts: int, max_len: int,
     return idx, m_sizes, m_offsets
 
 
-@register_op("xkern::inverse_permutation")
+@register_op("xkern::inverse_permutation", lambda idx, num_rows: idx.new_empty((num_rows,)))
 def _inverse_op(idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     (inv,) = run_recipe(inverse_recipe(int(idx.shape[0]), num_rows, dtype_name(idx.dtype)), idx.device,
                         idx=idx.contiguous())
@@ -155,28 +162,33 @@ def _run_unpermute(y, idx, num_rows, top_k, probs):
     return out
 
 
-@register_op("xkern::permute_rows")
+def _rows_fake(n_rows, like: torch.Tensor):
+    return like.new_empty((n_rows, like.shape[1]))
+
+
+@register_op("xkern::permute_rows", lambda x, idx: _rows_fake(idx.shape[0], x))
 def _permute_op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _run_permute(x, idx, 1)
 
 
-@register_op("xkern::permute_token_rows")
+@register_op("xkern::permute_token_rows", lambda x, idx, top_k: _rows_fake(idx.shape[0], x))
 def _permute_token_op(x: torch.Tensor, idx: torch.Tensor, top_k: int) -> torch.Tensor:
     return _run_permute(x, idx, top_k)
 
 
-@register_op("xkern::unpermute_rows")
+@register_op("xkern::unpermute_rows", lambda y, idx, num_rows: _rows_fake(num_rows, y))
 def _unpermute_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
     return _run_unpermute(y, idx, num_rows, 1, None)
 
 
-@register_op("xkern::combine_rows")
+@register_op("xkern::combine_rows", lambda y, idx, num_rows, top_k, probs: _rows_fake(num_rows // top_k, y))
 def _combine_op(y: torch.Tensor, idx: torch.Tensor, num_rows: int, top_k: int,
                 probs: torch.Tensor | None) -> torch.Tensor:
     return _run_unpermute(y, idx, num_rows, top_k, probs)
 
 
-@register_op("xkern::combine_rows_bwd")
+@register_op("xkern::combine_rows_bwd",
+             lambda dout, y, idx, probs, num_rows, top_k: (y.new_empty(y.shape), probs.new_empty(probs.shape)))
 def _combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor, num_rows: int,
                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     dout, y = _rows(dout), _rows(y)
@@ -344,11 +356,25 @@ def _combine_grads_eager(dout, y, idx, probs, num_rows, top_k):
     return tuple(ex.run(_rows(dout), _rows(y), idx.contiguous(), probs.contiguous()))
 
 
+def _rows_vmap(apply_fn, info, in_dims, rows, idx, *rest):
+    """vmap of a row gather (permute, unpermute, combine) over its rows alone: the examples side by side in
+    the hidden dim ([B, N, H] -> [N, B * H]), one call; per example where the index or probs are batched."""
+    if in_dims[0] is None or any(d is not None for d in in_dims[1:]):
+        return loop_vmap(apply_fn, info, in_dims, rows, idx, *rest)
+    b = rows.movedim(in_dims[0], 1)
+    out = apply_fn(b.reshape(b.shape[0], -1), idx, *rest)
+    return out.view(out.shape[0], info.batch_size, -1), 1
+
+
 class _Permute(torch.autograd.Function):
     forward = staticmethod(_permute_eager)
     setup_context = staticmethod(_setup(_save_permute, 2))
     backward = staticmethod(_permute_backward)
     jvp = staticmethod(_permute_jvp)
+
+    @staticmethod
+    def vmap(info, in_dims, x, idx, top_k):
+        return _rows_vmap(_Permute.apply, info, in_dims, x, idx, top_k)
 
 
 class _Unpermute(torch.autograd.Function):
@@ -357,6 +383,10 @@ class _Unpermute(torch.autograd.Function):
     backward = staticmethod(_unpermute_backward)
     jvp = staticmethod(_unpermute_jvp)
 
+    @staticmethod
+    def vmap(info, in_dims, y, idx, num_rows, top_k, probs):
+        return _rows_vmap(_Unpermute.apply, info, in_dims, y, idx, num_rows, top_k, probs)
+
 
 class _CombineGrads(torch.autograd.Function):
     forward = staticmethod(_combine_grads_eager)
@@ -364,49 +394,46 @@ class _CombineGrads(torch.autograd.Function):
     backward = staticmethod(_combine_bwd_backward)
     jvp = staticmethod(_combine_bwd_jvp)
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return loop_vmap(_CombineGrads.apply, info, in_dims, *args)
 
-# autograd.Function.apply's Python wrapper rebinds the arguments through inspect.signature on every call;
-# without a functorch transform the C++ apply does the same work (see `fast_apply`).
-_apply_permute, _apply_unpermute = fast_apply(_Permute), fast_apply(_Unpermute)
+
+# The C++ apply without the Python wrapper (`raw_apply`), where no functorch transform is active.
+_apply_permute, _apply_unpermute, _apply_combine_grads = map(raw_apply, (_Permute, _Unpermute, _CombineGrads))
 
 
 # Eager calls take the executors, through the Functions where autograd is needed (forward mode too);
 # compiled and traced code, the ops (checked on every call: tracing is not the hot path).
 def _permute(x, idx, top_k: int):
-    how = eager(x, idx)
-    if how == DIRECT:
+    if direct_or_batched(x, idx):
         return _permute_eager(x, idx, top_k)
-    if how == REGISTERED:
+    if traced(x, idx):
         _check_permute(x, idx)
         if top_k == 1:
             return torch.ops.xkern.permute_rows(x, idx)
         return torch.ops.xkern.permute_token_rows(x, idx, top_k)
-    if how == TRANSFORM and functorch_active():
-        return _Permute.apply(x, idx, top_k)
-    return _apply_permute(x, idx, top_k)
+    return (_Permute.apply if functorch_active() else _apply_permute)(x, idx, top_k)
 
 
 def _unpermute(y, idx, num_rows: int, top_k: int, probs):
-    how = eager(y, idx, probs)
-    if how == DIRECT:
+    if direct_or_batched(y, idx, probs):
         return _unpermute_eager(y, idx, num_rows, top_k, probs)
-    if how == REGISTERED:
+    if traced(y, idx, probs):
         _check_unpermute(y, idx, num_rows, top_k, probs)
         if top_k == 1 and probs is None:  # the op with a DTensor rule; the recipe is the same entry's
             return torch.ops.xkern.unpermute_rows(y, idx, num_rows)
         return torch.ops.xkern.combine_rows(y, idx, num_rows, top_k, probs)
-    if how == TRANSFORM and functorch_active():
-        return _Unpermute.apply(y, idx, num_rows, top_k, probs)
-    return _apply_unpermute(y, idx, num_rows, top_k, probs)
+    return (_Unpermute.apply if functorch_active() else _apply_unpermute)(y, idx, num_rows, top_k, probs)
 
 
 def _combine_grads(dout, y, idx, probs, num_rows, top_k):
-    how = eager(dout, y, idx, probs)
-    if how == DIRECT:
+    if direct_or_batched(dout, y, idx, probs):
         return _combine_grads_eager(dout, y, idx, probs, num_rows, top_k)
-    if how == REGISTERED:
+    if traced(dout, y, idx, probs):
         return torch.ops.xkern.combine_rows_bwd(dout, y, idx, probs, num_rows, top_k)
-    return _CombineGrads.apply(dout, y, idx, probs, num_rows, top_k)
+    return (_CombineGrads.apply if functorch_active() else _apply_combine_grads)(dout, y, idx, probs, num_rows,
+                                                                                top_k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -432,7 +459,7 @@ def generate_permute_indices(tokens_per_expert_group: torch.Tensor, experts_per_
         _check_index("tokens_per_expert_group", counts)
         e, _, m, a = check_layout(counts.shape[0], experts_per_rank, num_ranks, max_len, alignment)
         check_counts(counts.detach().cpu().numpy(), e, a, m)
-    if eager(counts):
+    if not traced(counts):
         key = ("generate", signature(counts), experts_per_rank, num_ranks, max_len, alignment)
         ex = cached(key, _generate_executor, counts, experts_per_rank, num_ranks, max_len, alignment)
         return tuple(ex.run(counts.contiguous()))
@@ -463,7 +490,7 @@ def topk_permute_indices(expert_ids: torch.Tensor, num_experts: int, max_len: in
     num_experts, max_len, alignment = route_ints(num_experts, max_len, alignment)
     if validate:
         check_expert_ids(ids.detach().cpu().numpy(), *_check_route(ids, num_experts, max_len, alignment)[1:])
-    if eager(ids):
+    if not traced(ids):
         key = ("route", signature(ids), num_experts, max_len, alignment)
         return tuple(cached(key, _route_executor, ids, num_experts, max_len, alignment).run(ids.contiguous()))
     _, num_experts, max_len, alignment = _check_route(ids, num_experts, max_len, alignment)
@@ -501,7 +528,7 @@ def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int, validate:
     if validate:
         _check_index("permuted_indices", idx)
         check_permutation(idx.detach().cpu().numpy(), num_rows)
-    if eager(idx):
+    if not traced(idx):
         return cached(("inverse", signature(idx), num_rows), _inverse_executor, idx, num_rows).run(idx.contiguous())[0]
     _check_index("permuted_indices", idx)
     return torch.ops.xkern.inverse_permutation(permuted_indices, num_rows)

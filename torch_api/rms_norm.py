@@ -1,11 +1,11 @@
-"""RMSNorm for PyTorch: `rms_norm` and the `xkern::rms_norm_*` ops behind it (the `RMSNorm` module, which
-also takes a residual, is in `torch_api/add_rms_norm.py`).
+"""RMSNorm for PyTorch: `rms_norm`, the `RMSNorm` module, and the `xkern::rms_norm_*` ops behind them.
 
-Eager calls on plain CUDA tensors launch the kernels directly (an `Executor` cached per call signature,
-autograd through `_RMSNormFunction`, forward-mode AD through its `jvp`). Everything else — torch.compile,
-export, DTensor and other tensor subclasses, dispatch modes — goes through the registered
-`torch.library.triton_op`s, which Inductor lowers to direct kernel launches in its generated code. Both
-paths execute the same recipe from `xkern.rms_norm`. Math and rounding: `xkern/rms_norm/kernels.py`.
+One autograd.Function, `RMSNormFunction`, holds the rules: setup_context and backward (also the registered
+op's autograd), jvp, vmap. A call takes one of three routes (`torch_api._launch`): traced (torch.compile,
+export, DTensor and other tensor subclasses, dispatch modes) -> the registered `torch.library.triton_op`,
+which Inductor lowers to direct kernel launches in its generated code; needing autograd -> the Function,
+whose forward launches the cached eager executor; else the executor alone. All execute the same recipe
+from `xkern.rms_norm`. Math and rounding: `xkern/rms_norm/kernels.py`.
 """
 
 from __future__ import annotations
@@ -16,32 +16,32 @@ from typing import Optional
 import torch
 
 from torch_api._launch import (
-    DIRECT,
-    REGISTERED,
-    TRANSFORM,
+    DTYPES,
     Executor,
     aligned,
     aligned_weight,
     cached,
     check_device,
     check_tensor,
+    differentiable_backward,
+    direct,
     dtype_name,
     dtype_or_none,
-    eager,
-    fast_apply,
     flat_weight,
     forward_mode,
     functorch_active,
-    needs_autograd,
+    loop_vmap,
+    raw_apply,
     readable,
     register_op,
     rows_layout,
     rows_view,
     run_recipe,
     signature,
+    traced,
 )
-from xkern.launch import check_float
-from xkern.rms_norm import check_rms_norm, check_variant, rms_norm_bwd_recipe, rms_norm_fwd_recipe
+from xkern.launch import check_float, check_int
+from xkern.rms_norm import check_rms_norm, check_variant, out_dtype_name, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
 def _check(x, weight, eps, variant) -> str:
@@ -62,18 +62,27 @@ def _check(x, weight, eps, variant) -> str:
 # Registered ops: torch.compile, export, DTensor, fake tensors.
 
 
-# `variant` is check_variant's ("none" without a weight: `weight` is then None).
-@register_op("xkern::rms_norm_fwd")
+def _fwd_fake(x, weight, eps, variant="llama"):
+    y_dtype = out_dtype_name(dtype_name(x.dtype), dtype_or_none(weight), variant)
+    return x.new_empty(x.shape, dtype=DTYPES[y_dtype])
+
+
+def _bwd_fake(dy, x, weight, eps, variant="llama"):
+    return x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
+
+
+# `variant` is check_variant's ("none" without a weight: `weight` is then None). The plans read the row count
+# at run time (int()): a traced call keeps it symbolic (`register_op`).
+@register_op("xkern::rms_norm_fwd", _fwd_fake)
 def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     x2 = rows_view(x)
-    # int(): the plan depends on the shape, so a compiled graph specializes on it (guards, no symbols).
     recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), dtype_or_none(weight),
                                  int(x2.stride(0)), variant)
     (y,) = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight))
     return y.view(x.shape)
 
 
-@register_op("xkern::rms_norm_bwd")
+@register_op("xkern::rms_norm_bwd", _bwd_fake)
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
                  eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """dx, and dw (of shape [0] without a weight: an op returns no None)."""
@@ -82,21 +91,6 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
                                  int(x2.stride(0)), int(dy2.stride(0)), variant=variant)
     dx, dw = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight), dy=dy2)
     return dx.view(x.shape), dw.view(-1)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, eps, variant = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.variant = eps, variant
-
-
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, ctx.variant)
-    return dx, None if weight is None else dw, None, None
-
-
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,16 +192,24 @@ def _math(eps, variant):
     return lambda x, w=None: reference_math(x, w, eps, variant)
 
 
-def _present(*pairs):
-    """The (primal, tangent) pairs whose primal is a tensor, with zero tangents for None."""
-    primals = tuple(p for p, _ in pairs if p is not None)
-    tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in pairs if p is not None)
-    return primals, tangents
+def _backward_math(eps, variant):
+    """(dy, x[, w]) -> the backward of reference_math (dx, and dw with a weight): differentiable, batchable."""
+    math_fn = _math(eps, variant)
+
+    def backward(dy, *primals):
+        _, vjp = torch.func.vjp(math_fn, *primals)
+        return vjp(dy)
+
+    return backward
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """Eager autograd over the direct launches: backward is the joint kernel, jvp the eager expression's,
-    vmap more rows (or one call per example for a batched weight)."""
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm's autograd, for the eager calls and (setup_context, backward) the registered op's.
+
+    backward: the joint kernel (the registered op where traced, else the eager executor); where the backward
+    must itself be differentiable or batched (create_graph, torch.func, is_grads_batched), the eager math's
+    derivatives in torch ops. jvp: the eager expression's tangent. vmap: more rows, or one call per example
+    for a batched weight."""
 
     @staticmethod
     def forward(x, weight, eps, variant):
@@ -224,11 +226,15 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if needs_autograd(dy, x, weight):  # create_graph or torch.func
-            dx, dw = _RMSNormBackward.apply(dy, x, weight, ctx.eps, ctx.variant)
-        else:
-            dx, dw = _backward_direct(dy, x, weight, ctx.eps, ctx.variant)
-        return dx, dw, None, None
+        if differentiable_backward():
+            dx, *dw = _backward_math(ctx.eps, ctx.variant)(dy, *(t for t in (x, weight) if t is not None))
+            dw = dw[0] if dw else None
+        elif traced(dy):  # (x and weight are of the forward's kind, as its output and so dy are)
+            variant = "none" if weight is None else ctx.variant  # the op's (the eager Function's is unchecked)
+            dx, dw = torch.ops.xkern.rms_norm_bwd(dy, x, weight, ctx.eps, variant)
+        else:  # (the op's variant is "none" without a weight, the eager Function's the caller's)
+            dx, dw = _backward_direct(dy, x, weight, ctx.eps, "llama" if weight is None else ctx.variant)
+        return dx, None if weight is None else dw, None, None
 
     @staticmethod
     def jvp(ctx, tx, tw, *_):
@@ -238,58 +244,14 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, weight, eps, variant):
         x_dim, w_dim = in_dims[0], in_dims[1]
+        if w_dim is not None:
+            return loop_vmap(RMSNormFunction.apply, info, in_dims, x, weight, eps, variant)
         xs = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-        if w_dim is None:
-            return _RMSNormFunction.apply(xs, weight, eps, variant), 0
-        weight = weight.movedim(w_dim, 0)
-        return torch.stack([_RMSNormFunction.apply(a, b, eps, variant) for a, b in zip(xs, weight)]), 0
+        return RMSNormFunction.apply(xs, weight, eps, variant), 0
 
 
-# autograd.Function.apply binds default arguments with inspect.signature on every call (a third of the
-# eager step's host time); without a functorch transform the C++ apply it wraps does the same work.
-_apply_rms_norm = fast_apply(_RMSNormFunction)
-
-
-class _RMSNormBackward(torch.autograd.Function):
-    """The joint backward as a graph node (create_graph, torch.func). Its own derivatives (double backward,
-    jvp of grad: Hessian-vector products) are taken through `reference_math`'s backward."""
-
-    @staticmethod
-    def forward(dy, x, weight, eps, variant):
-        return _backward_direct(dy, x, weight, eps, variant)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        dy, x, weight, eps, variant = inputs
-        ctx.save_for_backward(dy, x, weight)
-        if forward_mode():
-            ctx.save_for_forward(dy, x, weight)
-        ctx.eps, ctx.variant = eps, variant
-
-    @staticmethod
-    def backward(ctx, ddx, ddw):
-        dy, x, weight = ctx.saved_tensors
-        primals, cotangents = _present((dy, None), (x, None), (weight, None))[0], (ddx, ddw)
-        _, vjp = torch.func.vjp(_backward_math(ctx.eps, ctx.variant), *primals)
-        grads = vjp(tuple(c for c in cotangents if c is not None) if weight is None else cotangents)
-        return (*grads, *([None] if weight is None else []), None, None)
-
-    @staticmethod
-    def jvp(ctx, tdy, tx, tw, *_):
-        dy, x, weight = ctx.saved_tensors
-        out = torch.func.jvp(_backward_math(ctx.eps, ctx.variant), *_present((dy, tdy), (x, tx), (weight, tw)))[1]
-        return out if weight is not None else (out[0], None)
-
-
-def _backward_math(eps, variant):
-    """(dy, x[, w]) -> the backward of reference_math (dx, and dw with a weight): differentiable."""
-    math_fn = _math(eps, variant)
-
-    def backward(dy, *primals):
-        _, vjp = torch.func.vjp(math_fn, *primals)
-        return vjp(dy)
-
-    return backward
+rms_norm_fwd.register_autograd(RMSNormFunction.backward, setup_context=RMSNormFunction.setup_context)
+_apply = raw_apply(RMSNormFunction)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
@@ -305,12 +267,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     "gemma" `(normed * (1 + w.float())).to(x.dtype)`, "olmo2" `(w * normed).to(x.dtype)` (both x's dtype).
     """
     eps = check_float("eps", eps)  # a float before any cache lookup (xkern.launch.check_int says why)
-    how = eager(x, weight)
-    if how == DIRECT:
+    if direct(x, weight):
         return _forward(x, weight, eps, variant)
-    if how == REGISTERED:
+    if traced(x, weight):
         variant = _check(x, weight, eps, variant)
         return torch.ops.xkern.rms_norm_fwd(x, weight, eps, variant)
-    if how == TRANSFORM and functorch_active():
-        return _RMSNormFunction.apply(x, weight, eps, variant)
-    return _apply_rms_norm(x, weight, eps, variant)
+    return (RMSNormFunction.apply if functorch_active() else _apply)(x, weight, eps, variant)
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in Hugging Face-style RMSNorm module: `weight` and `eps` (also `variance_epsilon`, HF's name),
+    forward = `rms_norm`, or `add_rms_norm` when given a residual.
+
+    hidden_size: the normalized (last) dim, an int >= 0. variant: as `rms_norm`'s; `reset_parameters()` sets
+    the weight to ones, or zeros for "gemma" (whose scale is `1 + w`), so a fresh module is the identity
+    scale (after meta-device init, `to_empty()` then `reset_parameters()`). weight=False: no weight parameter
+    (`normed.to(x.dtype)`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, variant: str = "llama",
+                 weight: bool = True):
+        super().__init__()
+        self.hidden_size = check_int("hidden_size", hidden_size)
+        check_variant(variant, weight)
+        self.variant = variant
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype)) if weight else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            with torch.no_grad():
+                self.weight.fill_(0.0 if self.variant == "gemma" else 1.0)
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        value = check_float("eps", value)
+        if not 0 <= value < math.inf:
+            raise ValueError(f"eps must be >= 0 and finite, got {value}")
+        self.variance_epsilon = value
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`rms_norm(x)`; with a residual, `add_rms_norm(x, residual)`: (y, residual_out)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon, variant=self.variant)
+        from torch_api.add_rms_norm import add_rms_norm  # (it imports this module)
+
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, variant=self.variant)
+
+    def extra_repr(self) -> str:
+        shape = f"{tuple(self.weight.shape)}, " if self.weight is not None else f"({self.hidden_size},), no weight, "
+        return f"{shape}eps={self.variance_epsilon}" + (f", variant={self.variant}" if self.variant != "llama" else "")

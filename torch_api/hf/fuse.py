@@ -14,6 +14,7 @@ import copy
 import inspect
 import re
 import textwrap
+import warnings
 
 import torch
 
@@ -45,18 +46,31 @@ def _is_attention_call(stmt) -> bool:
             and func.attr == "self_attn" and isinstance(func.value, ast.Name) and func.value.id == "self")
 
 
+_WARNED: set = set()  # the reasons `_add_norm` has warned about (once each)
+
+
 def _add_norm(norm: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
     """(norm(residual + hidden_states), residual + hidden_states): through `add_rms_norm` where xkern computes
-    the norm's math on these inputs, else as the layer computed them."""
+    the norm's math on these inputs, else as the layer computed them (with a warning, once per reason, where
+    only the dtypes or shapes stand in the way)."""
     math = norm_math(type(norm))
     weight = None if math is None or math.variant == "none" else norm.weight
-    # one dtype: the norm of the sum rounds `normed` to the sum's dtype, the fused op to x's
-    if (math is not None and hidden_states.shape == residual.shape and residual.dtype == hidden_states.dtype
-            and kernels_take(hidden_states, weight)):
-        from torch_api.add_rms_norm import add_rms_norm
+    if math is not None and kernels_take(hidden_states, weight) and kernels_take(residual, weight):
+        # The layer's norm rounds `normed` to the sum's dtype (eager promotion), the fused op to x's: x is the
+        # operand of the sum's dtype (mixed under autocast: an fp32 residual stream, a bf16 attention output).
+        summed = torch.promote_types(hidden_states.dtype, residual.dtype)
+        x, r = (residual, hidden_states) if residual.dtype == summed else (hidden_states, residual)
+        reason = ("their shapes differ" if hidden_states.shape != residual.shape else
+                  None if x.dtype == summed else f"neither {hidden_states.dtype} nor {residual.dtype} is their sum's")
+        if reason is None:
+            from torch_api.add_rms_norm import add_rms_norm
 
-        return add_rms_norm(hidden_states, residual, weight, getattr(norm, math.eps_attr),
-                            variant="llama" if math.variant == "none" else math.variant)
+            return add_rms_norm(x, r, weight, getattr(norm, math.eps_attr),
+                                variant="llama" if math.variant == "none" else math.variant)
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"xkern: the residual add before {type(norm).__name__} runs unfused (the layer's add, "
+                          f"then its norm): {reason}", stacklevel=2)
     summed = residual + hidden_states
     return norm(summed), summed
 
@@ -79,10 +93,15 @@ def fused_layer_forward(cls: type):
                 _is_attention_call(s) if p is None else ast.dump(s) == ast.dump(ast.parse(p).body[0])
                 for s, p in zip(body, _LAYER_STATEMENTS)):
             fn.body = body[:3] + ast.parse(_FUSED_STATEMENT).body + body[6:]
-            namespace = dict(inspect.unwrap(forward).__globals__, _xkern_add_norm=_add_norm)
+            # `_xkern_add_norm` a closure variable, not a global: torch.compile reads an inlined function's
+            # globals from its module (transformers'), which has no such name.
+            make = ast.parse("def _xkern_make(_xkern_add_norm):\n    pass").body[0]
+            make.body = [fn, ast.Return(ast.Name(fn.name, ast.Load()))]
+            tree.body = [make]
+            namespace = dict(inspect.unwrap(forward).__globals__)
             exec(compile(ast.fix_missing_locations(tree), f"<xkern fused {cls.__name__}.forward>", "exec"),
                  namespace)  # noqa: S102 - the class's own source, one call substituted
-            fused = namespace[fn.name]
+            fused = namespace["_xkern_make"](_add_norm)
     _LAYER_FORWARDS[cls] = fused
     return fused
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_api._launch import INTERPRET
-from torch_api.hf.probe import NormMath
+from torch_api.hf.probe import NONE_EPS, NormMath
 from torch_api.rms_norm import rms_norm
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -19,12 +19,21 @@ def kernels_take(hidden_states: torch.Tensor, weight: torch.Tensor | None) -> bo
 
 
 def xkern_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor, math: NormMath) -> torch.Tensor | None:
-    """`module`'s output through xkern, or None for what the kernels do not take (`kernels_take`: the caller
-    runs the class's forward)."""
+    """`module`'s output through xkern, or None for what the kernels do not take (`kernels_take`), an instance
+    that normalizes more than the last dim (torch.nn.RMSNorm([2, 8])), or an eps the probe did not read: the
+    caller runs the class's forward."""
     weight = None if math.variant == "none" else module.weight
     if not kernels_take(hidden_states, weight):
         return None
+    width = hidden_states.shape[-1] if hidden_states.dim() else None
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None and tuple(shape) != (width,) or weight is not None and tuple(weight.shape) != (width,):
+        return None
     eps = getattr(module, math.eps_attr)
+    if eps is None:
+        if not math.eps_none:
+            return None
+        eps = NONE_EPS
     if math.variant in ("llama", "none"):
         return rms_norm(hidden_states, weight, eps)
     return rms_norm(hidden_states, weight, eps, variant=math.variant)

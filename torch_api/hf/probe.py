@@ -22,14 +22,18 @@ from torch_api.rms_norm import reference_math
 NORM_NAME = re.compile(r"(?i)(rms_?norm|l2_?norm)")  # class names that are probed
 VARIANTS = ("llama", "gemma", "olmo2", "none")       # the math xkern computes (see torch_api.hf's docstring)
 EPS_ATTRS = ("variance_epsilon", "eps")
+NONE_EPS = float(torch.finfo(torch.float32).eps)  # eps None: torch.nn.RMSNorm's, for every input dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class NormMath:
-    """What a class computes: one of VARIANTS, with eps read from the attribute `eps_attr`."""
+    """What a class computes: one of VARIANTS, with eps read from the attribute `eps_attr`; `eps_none`: where
+    that attribute is None, eps is FP32's machine epsilon (torch.nn.RMSNorm's default: the epsilon of the dtype
+    it computes in, fp32 for every input dtype)."""
 
     variant: str
     eps_attr: str
+    eps_none: bool = False
 
 
 _PROBE_WIDTH = 64
@@ -81,7 +85,8 @@ def _probe(cls: type) -> NormMath | None:
     has_weight = params.keys() == {"weight"} and tuple(params["weight"].shape) == (_PROBE_WIDTH,)
     if params and not has_weight:
         return None
-    eps_attrs = [a for a in EPS_ATTRS if isinstance(getattr(module, a, None), float)]
+    eps_attrs = [a for a in EPS_ATTRS if hasattr(module, a) and (getattr(module, a) is None or
+                                                                 isinstance(getattr(module, a), float))]
     gen = torch.Generator().manual_seed(19)
     x64 = torch.randn(3, _PROBE_WIDTH, generator=gen, dtype=torch.float64) * 0.0625
     w64 = 1.0 + 0.5 * torch.randn(_PROBE_WIDTH, generator=gen, dtype=torch.float64)
@@ -92,19 +97,38 @@ def _probe(cls: type) -> NormMath | None:
             x, w = x64.to(x_dtype), w64.to(w_dtype)
             for a in eps_attrs:  # the other attribute gets another value: the one read must be this one
                 setattr(module, a, _PROBE_EPS if a == eps_attr else 0.5)
-            if has_weight:
-                module.weight = torch.nn.Parameter(w, requires_grad=False)
-            try:
-                with torch.no_grad():
-                    out = forward(module, x)
-            except Exception:
+            out = _output(module, forward, x, w if has_weight else None)
+            if out is None:
                 return None
             matching = {v for v in matching if _same_bits(out, expected_output(x, w, _PROBE_EPS, v))}
             if not matching:
                 break
         if len(matching) == 1:
-            return NormMath(matching.pop(), eps_attr)
+            variant = matching.pop()
+            return NormMath(variant, eps_attr, _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight))
     return None
+
+
+def _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight) -> bool:
+    """Whether `module` with eps None computes `variant` with FP32's machine epsilon (NONE_EPS)."""
+    setattr(module, eps_attr, None)
+    for x_dtype, w_dtype in _PROBE_DTYPES:
+        x, w = x64.to(x_dtype) * 0.01, w64.to(w_dtype)  # small rows: the epsilon moves every output
+        if not _same_bits(_output(module, forward, x, w if has_weight else None),
+                          expected_output(x, w, NONE_EPS, variant)):
+            return False
+    return True
+
+
+def _output(module, forward, x, w):
+    """The class's forward on x, with the weight w (None: none), or None where it raises."""
+    if w is not None:
+        module.weight = torch.nn.Parameter(w, requires_grad=False)
+    try:
+        with torch.no_grad():
+            return forward(module, x)
+    except Exception:
+        return None
 
 
 def _same_bits(a, b) -> bool:

@@ -1,0 +1,172 @@
+"""One compiled graph for every row count: torch.compile(dynamic=True), mark_dynamic and torch.export with a
+dynamic dim keep the row count symbolic (the ops' fake implementations read no plan; plans are chosen per
+call at run time), with the eager result bit for bit; and the eager executor cache stays bounded.
+
+aot_eager on CPU: Dynamo, AOT autograd and the fake ops are traced, the ops run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE
+
+import torch_api
+from torch_api import _launch
+
+ROWS = (2, 3, 5, 7, 12, 17)  # 0 and 1 are specialized by torch itself
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                       b.reshape(-1).view(torch.uint8))
+
+
+def _counter():
+    """aot_eager, with Dynamo's counters cleared: `_graphs()` then counts the graphs made (a restart of one
+    frame's analysis, which turns a float attribute into a constant, is no second graph)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return "aot_eager"
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _x(rows: int, width: int = 16, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + rows)
+    return torch.randn(rows, width, generator=gen).to(DEVICE, dtype)
+
+
+def test_rms_norm_module_one_graph_for_every_row_count():
+    """The module forward and backward, fullgraph, over six row counts: one graph, eager's bits."""
+    torch.manual_seed(0)
+    norm = torch_api.RMSNorm(16, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    counter = _counter()
+    compiled = torch.compile(norm, backend=counter, dynamic=True, fullgraph=True)
+    for rows in ROWS:
+        x = _x(rows).requires_grad_()
+        y = compiled(x)
+        dy = torch.randn_like(y)
+        dx, dw = torch.autograd.grad(y, (x, norm.weight), dy)
+        x_ref = x.detach().requires_grad_()
+        y_ref = norm(x_ref)
+        dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, norm.weight), dy)
+        assert _same(y, y_ref) and _same(dx, dx_ref) and _same(dw, dw_ref), rows
+    assert _graphs() == 1
+
+
+def test_add_rms_norm_one_graph_for_every_row_count():
+    w = _x(1, seed=5)[0]
+    counter = _counter()
+    compiled = torch.compile(lambda x, r: torch_api.add_rms_norm(x, r, w), backend=counter, dynamic=True,
+                             fullgraph=True)
+    for rows in ROWS[:4]:
+        x, r = _x(rows, seed=1).requires_grad_(), _x(rows, seed=2).requires_grad_()
+        y, res = compiled(x, r)
+        grads = torch.autograd.grad((y, res), (x, r), (torch.ones_like(y), torch.ones_like(res)))
+        y_ref, res_ref = torch_api.add_rms_norm(x, r, w)
+        grads_ref = torch.autograd.grad((y_ref, res_ref), (x, r), (torch.ones_like(y), torch.ones_like(res)))
+        assert _same(y, y_ref) and _same(res, res_ref) and all(map(_same, grads, grads_ref)), rows
+    assert _graphs() == 1
+
+
+def test_mark_dynamic_keeps_rows_symbolic():
+    w = _x(1, seed=5)[0]
+    counter = _counter()
+    compiled = torch.compile(lambda x: torch_api.rms_norm(x, w), backend=counter, fullgraph=True)
+    for rows in (4, 9, 6):
+        x = _x(rows)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert _same(compiled(x), torch_api.rms_norm(x, w)), rows
+    assert _graphs() == 1
+
+
+def test_export_with_a_dynamic_row_dim():
+    torch.manual_seed(0)
+    norm = torch_api.RMSNorm(16, device=DEVICE, dtype=torch.bfloat16)
+    rows = torch.export.Dim("rows", min=2)
+    program = torch.export.export(norm, (_x(4),), dynamic_shapes={"x": {0: rows}})
+    for n in (3, 8):
+        x = _x(n)
+        assert _same(program.module()(x), norm(x)), n
+
+
+def test_index_ops_one_graph_for_every_slot_count():
+    """permute_rows and its backward (unpermute_rows) under dynamic=True over three slot counts."""
+    counter = _counter()
+    compiled = torch.compile(torch_api.permute_rows, backend=counter, dynamic=True, fullgraph=True)
+    for n in (4, 6, 9):
+        x = _x(n).requires_grad_()
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(n)).to(DEVICE, torch.int32)
+        out = compiled(x, idx)
+        (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        assert _same(out, x.detach()[idx.long()]) and _same(dx, torch.ones_like(x)), n
+    assert _graphs() == 1
+
+
+def test_executor_cache_is_bounded(monkeypatch):
+    """Row counts beyond MAX_EXECUTORS evict the oldest executors; results stay right."""
+    monkeypatch.setattr(_launch, "MAX_EXECUTORS", 4)
+    w = _x(1, seed=5)[0]
+    with _launch.executor_cache() as cache:
+        for rows in range(2, 12):
+            x = _x(rows)
+            y = torch_api.rms_norm(x, w)
+            assert len(cache) <= 4
+        assert _same(y, torch_api.rms_norm(x, w))
+        assert ("rms_norm_fwd", _launch.signature(x), _launch.signature(w), 1e-6, "llama") in cache
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_dynamic_graph_after_a_static_one(fullgraph):
+    """Automatic dynamic shapes (the default): a static graph, then one dynamic graph for every other count."""
+    w = _x(1, seed=5)[0]
+    counter = _counter()
+    compiled = torch.compile(lambda x: torch_api.rms_norm(x, w), backend=counter, fullgraph=fullgraph)
+    for rows in ROWS:
+        x = _x(rows)
+        assert _same(compiled(x), torch_api.rms_norm(x, w)), rows
+    assert _graphs() <= 2
+
+
+_GPU_TRACE = """
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import torch_api  # noqa: F401  (registers the ops as triton_ops: no TRITON_INTERPRET in this process)
+
+graphs = []
+
+
+def keep(gm, _):
+    graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+    raise SystemExit(0)  # traced: the CPU cannot launch the GPU kernels
+
+
+x, w = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+try:
+    torch.compile(lambda x, w: torch.ops.xkern.rms_norm_fwd(x, w, 1e-6, "llama"), dynamic=True,
+                  backend=aot_autograd(fw_compiler=keep))(x, w)
+except SystemExit:
+    pass
+print(graphs)
+"""
+
+
+def test_gpu_registration_traces_a_symbolic_row_count_to_the_twin():
+    """The GPU's registration (triton_op), traced on the CPU by AOT autograd with a symbolic row count: the
+    op decomposes into its opaque twin (`rms_norm_fwd_any`), not into kernel launches specialized on a shape."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _GPU_TRACE], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert "xkern.rms_norm_fwd_any.default" in out.stdout, out.stdout + out.stderr[-2000:]
