@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute", "xkern.grouped_mm"]
+OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute", "xkern.grouped_mm", "xkern.gated_rms_norm"]
 TARGET = GPUTarget("cuda", 90, 32)
 
 
