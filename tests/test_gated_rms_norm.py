@@ -1,0 +1,313 @@
+"""Gated RMSNorm (`gated_rms_norm`), both front ends: the FP64 oracle on NaN-poisoned outputs for the four
+Hugging Face families (groups, sigmoid, every kernel the plans take), Hugging Face's own classes bit for bit,
+torch == JAX bitwise, strided rows read in place, torch.compile (fullgraph, dynamic shapes), forward-mode AD,
+the Flax NNX module, and bad arguments.
+
+Widths: 128 (narrow multi-row tiles), 96 in groups of 32 and 300 in groups of 100 (groups, masked lanes),
+8200 (backward: statistics + column split; also as 2 groups) and 16392 (forward: column chunks).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import GPU, TORCH_DTYPES, rand, same_bits, to_numpy, to_torch
+
+import torch_api._launch as tl_launch
+from jax_api.gated_rms_norm import gated_rms_norm as jax_gated
+from torch_api.gated_rms_norm import GatedRMSNorm, gated_rms_norm
+from xkern import reference as R
+from xkern.gated_rms_norm import (
+    FAMILIES,
+    MAX_BWD_BLOCK,
+    MAX_FWD_BLOCK,
+    gated_rms_norm_bwd_recipe,
+    gated_rms_norm_fwd_recipe,
+    plans,
+)
+
+EPS = 1e-6
+
+
+def _rng(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _options(family, activation=None, group_size=None):
+    norm_before_gate, act, rounding = FAMILIES[family]
+    return dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation or act,
+                rounding=rounding)
+
+
+def _inputs(key, shape, x_dtype="bfloat16", w_dtype="bfloat16"):
+    rng = _rng(*key)
+    return (rand(rng, shape, x_dtype), rand(rng, shape, x_dtype, scale=2.0),
+            rand(rng, shape[-1:], w_dtype, scale=0.3, offset=1.0), rng)
+
+
+def _y_dtype(x_dtype, w_dtype, opts):
+    return R.promote(x_dtype, w_dtype).name if not opts["norm_before_gate"] and opts["rounding"] == "llama" \
+        else x_dtype
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the eager executors allocate starts as NaN: an element no kernel writes shows."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    tl_launch.clear_executors()  # executors built from here on allocate through nan_empty
+    yield
+    tl_launch.clear_executors()
+
+
+CASES = [(family, 5, 128, None, "bfloat16", "bfloat16") for family in FAMILIES]
+CASES += [(family, 3, 96, 32, "bfloat16", "bfloat16") for family in FAMILIES]
+CASES += [("gate-then-group-norm", 2, 300, 100, "float16", "float32"), ("norm-llama-then-gate", 4, 64, None,
+                                                                        "float32", "float32"),
+          ("norm-llama-then-gate", 3, 128, None, "bfloat16", "float32"),
+          pytest.param("norm-fp32-then-gate", 2, 2 * (MAX_BWD_BLOCK + 8), MAX_BWD_BLOCK + 8, "bfloat16", "bfloat16",
+                       marks=pytest.mark.slow),
+          pytest.param("gate-then-group-norm", 2, MAX_BWD_BLOCK + 8, None, "bfloat16", "bfloat16",
+                       marks=pytest.mark.slow),
+          pytest.param("norm-llama-then-gate", 1, MAX_FWD_BLOCK + 8, None, "bfloat16", "bfloat16",
+                       marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("family,rows,width,group_size,x_dtype,w_dtype", CASES)
+def test_oracle(poisoned, family, rows, width, group_size, x_dtype, w_dtype):
+    _oracle_case(family, rows, width, group_size, x_dtype, w_dtype)
+
+
+def _oracle_case(family, rows, width, group_size, x_dtype, w_dtype):
+    opts = _options(family, group_size=group_size)
+    x, z, w, rng = _inputs((family, rows, width, group_size, x_dtype, w_dtype), (rows, width), x_dtype, w_dtype)
+    dy = rand(rng, (rows, width), _y_dtype(x_dtype, w_dtype, opts))
+    xt, zt, wt = (to_torch(a).requires_grad_() for a in (x, z, w))
+    y = gated_rms_norm(xt, zt, wt, EPS, **opts)
+    assert y.dtype == TORCH_DTYPES[_y_dtype(x_dtype, w_dtype, opts)]
+    tol = R.gated_rms_norm_fwd_tol(x, z, w, EPS, **opts)
+    R.check(to_numpy(y), R.gated_rms_norm_fwd(x, z, w, EPS, **opts), "fwd", tol)
+    y.backward(to_torch(dy))
+    dx, dz, dw, dw_tol = R.gated_rms_norm_bwd(x, z, w, dy, EPS, **opts)
+    R.check(to_numpy(xt.grad), dx, "dx")
+    R.check(to_numpy(zt.grad), dz, "dx")
+    R.check(to_numpy(wt.grad), dw, "dw", dw_tol)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """The plans' wide-group kernels (forward in column chunks; backward statistics + column split) at small
+    widths: the register limits and chunks shrunk to 64 and 32 columns, so that the default tier runs them
+    cheaply (the slow tier runs them at their real widths)."""
+    for name, value in (("MAX_FWD_BLOCK", 64), ("MAX_BWD_BLOCK", 64), ("FWD_CHUNK", 32), ("STATS_CHUNK", 32),
+                        ("COLS_TILE", (4, 32, 1))):
+        monkeypatch.setattr(plans, name, value)
+    for recipe in (gated_rms_norm_fwd_recipe, gated_rms_norm_bwd_recipe):
+        recipe.cache_clear()
+    tl_launch.clear_executors()
+    yield
+    for recipe in (gated_rms_norm_fwd_recipe, gated_rms_norm_bwd_recipe):
+        recipe.cache_clear()
+    tl_launch.clear_executors()
+
+
+@pytest.mark.parametrize("family,width,group_size", [("norm-fp32-then-gate", 200, 100),
+                                                     ("gate-then-group-norm", 80, None),
+                                                     ("norm-llama-then-gate", 72, None)])
+def test_oracle_wide_kernels(poisoned, small_blocks, family, width, group_size):
+    assert plans.plan_gated_rms_norm_bwd(3, width, group_size or width, EPS).stats is not None
+    _oracle_case(family, 3, width, group_size, "bfloat16", "bfloat16")
+
+
+def test_sigmoid_and_eps(poisoned):
+    """Kimi Linear's sigmoid gate, a larger eps (it moves every output)."""
+    opts = _options("norm-fp32-then-gate", activation="sigmoid")
+    x, z, w, rng = _inputs(("sigmoid",), (6, 64))
+    dy = rand(rng, (6, 64), "bfloat16")
+    xt, zt, wt = (to_torch(a).requires_grad_() for a in (x, z, w))
+    y = gated_rms_norm(xt, zt, wt, 0.5, **opts)
+    R.check(to_numpy(y), R.gated_rms_norm_fwd(x, z, w, 0.5, **opts), "fwd")
+    y.backward(to_torch(dy))
+    dx, dz, dw, dw_tol = R.gated_rms_norm_bwd(x, z, w, dy, 0.5, **opts)
+    R.check(to_numpy(xt.grad), dx, "dx")
+    R.check(to_numpy(zt.grad), dz, "dx")
+    R.check(to_numpy(wt.grad), dw, "dw", dw_tol)
+
+
+def test_head_major_rows_in_place():
+    """Qwen3-Next's layout: [tokens, heads, 2 * head_dim] with x and the gate the two halves of each head's
+    row (strided rows), read in place: the same bits as contiguous copies."""
+    rng = _rng("strided")
+    both = to_torch(rand(rng, (3, 4, 256), "bfloat16"))
+    x, z = both[..., :128], both[..., 128:]
+    w = to_torch(rand(rng, (128,), "bfloat16", scale=0.3, offset=1.0))
+    assert not x.is_contiguous() and tl_launch.rows_layout(x) == (False, 256)
+    for family in FAMILIES:
+        opts = _options(family)
+        assert same_bits(gated_rms_norm(x, z, w, EPS, **opts),
+                         gated_rms_norm(x.contiguous(), z.contiguous(), w, EPS, **opts))
+
+
+HF = [("qwen3_next", "Qwen3NextRMSNormGated", lambda cls, n: cls(n, 1e-6), "norm-llama-then-gate", {}),
+      ("kimi_linear", "KimiLinearRMSNormGated", lambda cls, n: cls(n, 1e-6), "norm-fp32-then-gate",
+       {"activation": "sigmoid"}),
+      ("mamba2", "Mamba2RMSNormGated", lambda cls, n: cls(n, n // 4, 1e-6), "gate-then-group-norm", {"groups": 4}),
+      ("falcon_h1", "FalconH1RMSNormGated", lambda cls, n: cls(n, 1e-6, n_groups=2), "norm-fp32-then-gate",
+       {"groups": 2}),
+      ("falcon_h1", "FalconH1RMSNormGated", lambda cls, n: cls(n, 1e-6, n_groups=2, norm_before_gate=False),
+       "gate-then-fp32-group-norm", {"groups": 2})]
+
+
+@pytest.mark.parametrize("model,name,make,family,extra", HF, ids=[f"{h[1]}-{h[3]}" for h in HF])
+@pytest.mark.parametrize("w_dtype", ["bfloat16", "float32"])
+def test_hf_forward_bitwise(model, name, make, family, extra, w_dtype):
+    """Each family's Hugging Face class, bit for bit. On the GPU exactly (libdevice's expf and IEEE division, as
+    torch's CUDA activations); on CPU the interpreter's exp is numpy's, not torch's (vectorized, another ULP
+    here and there), so an element may differ by one ULP, and at most 1 in 1000 do."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+    n = 128
+    module = make(cls, n)
+    x, z, w, _ = _inputs((name, family, w_dtype), (2, 16, n), "bfloat16", w_dtype)
+    module.weight.data = to_torch(w, "cpu")
+    xt, zt = to_torch(x), to_torch(z)
+    module.to(xt.device)
+    with torch.no_grad():
+        ref = module(xt, zt)
+    groups = extra.get("groups")
+    opts = _options(family, activation=extra.get("activation"), group_size=n // groups if groups else None)
+    y = gated_rms_norm(xt, zt, module.weight.detach(), 1e-6, **opts)
+    assert y.dtype == ref.dtype
+    if GPU:
+        assert same_bits(y, ref)
+    else:  # an fp32 y (Mamba2, fp32 weight) moves by one bf16 ULP of normed where its rounding flips
+        got, want = to_numpy(y).astype(np.float64), to_numpy(ref).astype(np.float64)
+        assert (got != want).mean() <= 1e-3
+        assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -7)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_torch_jax_bitwise(family):
+    opts = _options(family, group_size=32)
+    x, z, w, rng = _inputs(("jax", family), (2, 3, 96), "bfloat16", "float32")
+    dy = rand(rng, (2, 3, 96), _y_dtype("bfloat16", "float32", opts))
+    xt, zt, wt = (to_torch(a).requires_grad_() for a in (x, z, w))
+    y = gated_rms_norm(xt, zt, wt, EPS, **opts)
+    y.backward(to_torch(dy))
+    yj, vjp = jax.vjp(lambda a, b, c: jax_gated(a, b, c, EPS, **opts), *(jnp.asarray(a) for a in (x, z, w)))
+    grads = vjp(jnp.asarray(dy))
+    assert same_bits(y, np.asarray(yj))
+    for t, g in zip((xt, zt, wt), grads):
+        assert same_bits(t.grad, np.asarray(g))
+    jitted = jax.jit(lambda a, b, c: jax_gated(a, b, c, EPS, **opts))(*(jnp.asarray(a) for a in (x, z, w)))
+    assert same_bits(y, np.asarray(jitted))
+
+
+def test_torch_compile_fullgraph_dynamic():
+    """One graph (fullgraph) with dynamic shapes: two token counts, one compile; the same bits as eager,
+    gradients included."""
+    torch._dynamo.reset()
+    opts = _options("norm-llama-then-gate")
+    fn = torch.compile(lambda a, b, c: gated_rms_norm(a, b, c, EPS, **opts), fullgraph=True, dynamic=True)
+    for tokens in (3, 5):
+        x, z, w, rng = _inputs(("compile", tokens), (tokens, 2, 64))
+        dy = to_torch(rand(rng, (tokens, 2, 64), "bfloat16"))
+        eager = [to_torch(a).requires_grad_() for a in (x, z, w)]
+        comp = [to_torch(a).requires_grad_() for a in (x, z, w)]
+        y_eager, y_comp = gated_rms_norm(*eager, EPS, **opts), fn(*comp)
+        assert same_bits(y_eager, y_comp)
+        y_eager.backward(dy)
+        y_comp.backward(dy)
+        for a, b in zip(eager, comp):
+            assert same_bits(a.grad, b.grad)
+
+
+def test_forward_ad():
+    """jvp (forward-mode AD through the Function's `jvp`) against the fp64 directional derivative."""
+    for family in FAMILIES:
+        opts = _options(family, group_size=32)
+        x, z, w, rng = _inputs(("jvp", family), (3, 64), "float32", "float32")
+        tangents = [rand(rng, a.shape, "float32") for a in (x, z, w)]
+        primals = [to_torch(a) for a in (x, z, w)]
+        _, ty = torch.func.jvp(functools.partial(gated_rms_norm, eps=EPS, **opts), tuple(primals),
+                               tuple(to_torch(t) for t in tangents))
+        h = 1e-6  # central difference of the oracle on float64 arrays (it then rounds nowhere)
+        plus = R.gated_rms_norm_fwd(*(a + h * t.astype(np.float64) for a, t in zip((x, z, w), tangents)), EPS,
+                                    **opts)
+        minus = R.gated_rms_norm_fwd(*(a - h * t.astype(np.float64) for a, t in zip((x, z, w), tangents)), EPS,
+                                     **opts)
+        np.testing.assert_allclose(to_numpy(ty), (plus - minus) / (2 * h), rtol=1e-4, atol=1e-4)
+
+
+def test_module_and_nnx_module():
+    """GatedRMSNorm (torch) and the Flax NNX module: parameter `weight`, HF's name; the same bits."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_api.gated_nnx import GatedRMSNorm as NNXGatedRMSNorm
+
+    x, z, w, _ = _inputs(("module",), (4, 64), "bfloat16", "float32")
+    torch_module = GatedRMSNorm(64, 1e-6, group_size=32, norm_before_gate=False)
+    assert list(dict(torch_module.named_parameters())) == ["weight"]
+    torch_module.weight.data = to_torch(w, "cpu")
+    torch_module.to(to_torch(x).device)
+    jax_module = NNXGatedRMSNorm(64, 1e-6, group_size=32, norm_before_gate=False, rngs=nnx.Rngs(0))
+    assert set(nnx.state(jax_module, nnx.Param).keys()) == {"weight"}
+    jax_module.weight[...] = jnp.asarray(w)
+    assert same_bits(torch_module(to_torch(x), to_torch(z)), np.asarray(jax_module(jnp.asarray(x), jnp.asarray(z))))
+
+
+BAD = [
+    (dict(gate_shape=(4, 32)), ValueError, "gate must have x's shape"),
+    (dict(gate_dtype="float32"), TypeError, "gate must have x's dtype"),
+    (dict(group_size=24), ValueError, "group_size must divide"),
+    (dict(group_size=0), ValueError, "group_size must be >= 1"),
+    (dict(group_size=16.0), TypeError, "group_size must be an int"),
+    (dict(activation="gelu"), ValueError, "activation must be one of"),
+    (dict(rounding="bf16"), ValueError, "rounding must be one of"),
+    (dict(norm_before_gate=1), TypeError, "norm_before_gate must be a bool"),
+    (dict(w_shape=(32,)), ValueError, "weight must have shape"),
+    (dict(eps=-1.0), ValueError, "eps must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("bad,error,message", BAD, ids=[next(iter(b[0])) for b in BAD])
+def test_bad_arguments(bad, error, message):
+    bad = dict(bad)
+    rng = _rng("bad")
+    x = rand(rng, (4, 64), "bfloat16")
+    z = rand(rng, bad.pop("gate_shape", (4, 64)), bad.pop("gate_dtype", "bfloat16"))
+    w = rand(rng, bad.pop("w_shape", (64,)), "bfloat16")
+    eps = bad.pop("eps", EPS)
+    with pytest.raises(error, match=message):
+        gated_rms_norm(to_torch(x), to_torch(z), to_torch(w), eps, **bad)
+    with pytest.raises(error, match=message):
+        jax_gated(jnp.asarray(x), jnp.asarray(z), jnp.asarray(w), eps, **bad)
+
+
+def test_plans_cover_every_width():
+    """Small and odd group widths (1, 3, 4 and 5 columns) against the oracle; eps 0.1, so that a group of one
+    column has a gradient that is not all cancellation."""
+    opts = _options("gate-then-group-norm")
+    eps = 0.1
+    for width, group_size in ((1, 1), (3, 3), (12, 4), (20, 5)):
+        x, z, w, rng = _inputs(("widths", width), (3, width))
+        dy = rand(rng, (3, width), "bfloat16")
+        xt, zt, wt = (to_torch(a).requires_grad_() for a in (x, z, w))
+        y = gated_rms_norm(xt, zt, wt, eps, **{**opts, "group_size": group_size})
+        R.check(to_numpy(y), R.gated_rms_norm_fwd(x, z, w, eps, **{**opts, "group_size": group_size}), "fwd")
+        y.backward(to_torch(dy))
+        dx, dz, dw, dw_tol = R.gated_rms_norm_bwd(x, z, w, dy, eps, **{**opts, "group_size": group_size})
+        R.check(to_numpy(xt.grad), dx, "dx")
+        R.check(to_numpy(zt.grad), dz, "dx")
+        R.check(to_numpy(wt.grad), dw, "dw", dw_tol)
