@@ -311,3 +311,69 @@ def test_plans_cover_every_width():
         R.check(to_numpy(xt.grad), dx, "dx")
         R.check(to_numpy(zt.grad), dz, "dx")
         R.check(to_numpy(wt.grad), dw, "dw", dw_tol)
+
+
+# --- Hugging Face models ------------------------------------------------------------------------------
+
+
+def test_hf_gated_classes_probed():
+    """The probe takes every gated family by its math, with its settings (order, activation, rounding, groups)."""
+    import transformers.models.falcon_h1.modeling_falcon_h1 as falcon
+    import transformers.models.kimi_linear.modeling_kimi_linear as kimi
+    import transformers.models.mamba2.modeling_mamba2 as mamba2
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    from torch_api.hf import GatedNormMath, gated_norm_math
+
+    assert gated_norm_math(qwen3_next.Qwen3NextRMSNormGated) == GatedNormMath(True, "silu", "llama",
+                                                                             "variance_epsilon", None, "silu")
+    assert gated_norm_math(kimi.KimiLinearRMSNormGated) == GatedNormMath(True, "sigmoid", "fp32",
+                                                                        "variance_epsilon", None, "sigmoid")
+    assert gated_norm_math(mamba2.Mamba2RMSNormGated) == GatedNormMath(False, "silu", "llama", "variance_epsilon",
+                                                                      "group_size")
+    assert gated_norm_math(falcon.FalconH1RMSNormGated) == GatedNormMath(None, "silu", "fp32", "variance_epsilon",
+                                                                        "n_groups")
+    assert gated_norm_math(qwen3_next.Qwen3NextRMSNorm) is None  # one input: the other probe's
+
+
+def _tiny_model(name):
+    import transformers
+
+    if name == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=1,
+            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=2,
+            num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"])
+        return transformers.Qwen3NextForCausalLM(config)
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=64, state_size=16, num_heads=8, head_dim=16,
+                                       n_groups=2, num_hidden_layers=2, expand=2, conv_kernel=4, chunk_size=8)
+    return transformers.Mamba2ForCausalLM(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba2"])
+def test_hf_tiny_model(monkeypatch, name):
+    """A tiny random Qwen3-Next (gated norm after the linear attention) and Mamba2 (grouped, gate first), bf16:
+    logits bitwise and gradients within fp32 summation order with and without xkern (`replace_rms_norm`),
+    the gated norms counted through xkern."""
+    import copy
+
+    import torch_api.hf.gated as hf_gated
+    from torch_api import replace_rms_norm
+
+    calls = []
+    monkeypatch.setattr(hf_gated, "gated_rms_norm", lambda *a, **k: calls.append(1) or gated_rms_norm(*a, **k))
+    torch.manual_seed(0)
+    model = _tiny_model(name).to(torch.bfloat16)
+    xkern_model = copy.deepcopy(model)
+    assert replace_rms_norm(xkern_model) > 0
+    ids = torch.randint(0, 64, (2, 12))
+    logits, xkern_logits = model(ids).logits, xkern_model(ids).logits
+    assert calls and same_bits(logits, xkern_logits)
+    logits.float().square().mean().backward()
+    xkern_logits.float().square().mean().backward()
+    for (pname, p), q in zip(model.named_parameters(), xkern_model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-6, msg=pname)

@@ -177,6 +177,23 @@ def _tangent(x, gate, weight, tx, tz, tw, eps, group_size, norm_before_gate, act
     return ty.to(_y_dtype(x, weight, norm_before_gate, rounding))
 
 
+def reference_math(x, gate, weight, eps, group_size=None, norm_before_gate=True, activation="silu",
+                   rounding="llama") -> torch.Tensor:
+    """The eager expression of each form in torch ops, as Hugging Face's classes compute it (what the HF probe
+    compares a class with, bit for bit): a = act(gate.float()); h = x.float(), or x.float() * a with the gate
+    first; normed over groups of `group_size`; p = w * normed.to(x.dtype) ("llama") or w.float() * normed
+    ("fp32"); y = (p * a).to(x.dtype) with the gate after, else p ("llama") or p.to(x.dtype) ("fp32")."""
+    a = torch.sigmoid(gate.float()) if activation == "sigmoid" else torch.nn.functional.silu(gate.float())
+    h = x.float() if norm_before_gate else x.float() * a
+    size = group_size or h.shape[-1]
+    hg = h.view(*h.shape[:-1], h.shape[-1] // size, size)
+    n = (hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
+    p = weight * n.to(x.dtype) if rounding == "llama" else weight.float() * n
+    if norm_before_gate:
+        return (p * a).to(x.dtype)
+    return p if rounding == "llama" else p.to(x.dtype)
+
+
 class _GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(x, gate, weight, *options):
