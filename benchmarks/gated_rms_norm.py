@@ -97,25 +97,10 @@ def xkern_jax(case: Case):
 
 
 def xla(case: Case):
-    """The HF expression in jax.numpy (XLA fuses it under jit)."""
-    import jax
-    import jax.numpy as jnp
+    """The HF expression in jax.numpy (`jax_api.gated_rms_norm.gated_math`; XLA fuses it under jit)."""
+    from jax_api.gated_rms_norm import gated_math
 
-    opts = _options(case)
-
-    def fn(x, z, w):
-        zf = z.astype(jnp.float32)
-        a = jax.nn.sigmoid(zf) if opts["activation"] == "sigmoid" else zf * jax.nn.sigmoid(zf)
-        h = x.astype(jnp.float32) if opts["norm_before_gate"] else x.astype(jnp.float32) * a
-        g = opts["group_size"]
-        hg = h.reshape(*h.shape[:-1], h.shape[-1] // g, g)
-        n = (hg * jax.lax.rsqrt(jnp.mean(hg * hg, axis=-1, keepdims=True) + EPS)).reshape(h.shape)
-        p = w * n.astype(x.dtype) if opts["rounding"] == "llama" else w.astype(jnp.float32) * n
-        if opts["norm_before_gate"]:
-            return (p * a).astype(x.dtype)
-        return p if opts["rounding"] == "llama" else p.astype(x.dtype)
-
-    return fn
+    return functools.partial(gated_math, eps=EPS, **_options(case))
 
 
 def fla(case: Case):

@@ -1,4 +1,4 @@
-"""Gated RMSNorm for JAX: `gated_rms_norm`, a `jax.custom_vjp` function usable under jit, grad and vjp, the
+"""Gated RMSNorm for JAX: `gated_rms_norm`, a `jax.custom_jvp` function usable under jit, grad, vjp and jvp, the
 same kernels and recipes as the torch front end (bit for bit its results). Math and rounding:
 `xkern/gated_rms_norm/kernels.py`.
 
@@ -87,22 +87,42 @@ def _bwd_op(options, ndim: int):
     return partitioned(lambda dy, x, z, w: _bwd(dy, x, z, w, options), partition, rule)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gated_math(x, z, w, eps, group_size=None, norm_before_gate=True, activation="silu", rounding="llama"):
+    """The Hugging Face expression in jax.numpy, rounded where the kernels round (fp32 statistics): what the
+    forward-mode tangents follow, and the jnp peer of the benchmark."""
+    zf = z.astype(jnp.float32)
+    a = jax.nn.sigmoid(zf) if activation == "sigmoid" else zf * jax.nn.sigmoid(zf)
+    h = x.astype(jnp.float32) if norm_before_gate else x.astype(jnp.float32) * a
+    size = group_size or h.shape[-1]
+    hg = h.reshape(*h.shape[:-1], h.shape[-1] // size, size)
+    n = (hg * jax.lax.rsqrt(jnp.mean(hg * hg, axis=-1, keepdims=True) + eps)).reshape(h.shape)
+    p = w * n.astype(x.dtype) if rounding == "llama" else w.astype(jnp.float32) * n
+    if norm_before_gate:
+        return (p * a).astype(x.dtype)
+    return p if rounding == "llama" else p.astype(x.dtype)
+
+
+# Autodiff: a custom_jvp whose primal is the forward kernel and whose tangent is linear in the tangents (the
+# jvp of `gated_math`), with the joint backward kernel as its transpose: jax.jvp gets forward mode, jax.grad
+# runs the backward kernel (never a transpose of the jnp tangent).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _gated(x, z, w, options):
     return vary_like(_fwd_op(options, x.ndim)(x, z, w), x)
 
 
-def _gated_fwd(x, z, w, options):
-    return _gated(x, z, w, options), (x, z, w)
+@_gated.defjvp
+def _gated_jvp(options, primals, tangents):
+    y = _gated(*primals, options)
 
+    def tangent(residuals, lin):
+        return jax.jvp(lambda a, b, c: gated_math(a, b, c, *options), residuals, lin)[1]
 
-def _gated_bwd(options, residuals, dy):
-    x, z, w = residuals
-    dx, dz, dw = _bwd_op(options, x.ndim)(dy, x, z, w)
-    return vary_like(dx, x), vary_like(dz, z), vary_like(dw, w)
+    def transpose(residuals, dy):
+        x, z, w = residuals
+        dx, dz, dw = _bwd_op(options, x.ndim)(dy, x, z, w)
+        return vary_like(dx, x), vary_like(dz, z), vary_like(dw, w)
 
-
-_gated.defvjp(_gated_fwd, _gated_bwd)
+    return y, jax.custom_derivatives.linear_call(tangent, transpose, tuple(primals), tuple(tangents))
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6, *,

@@ -377,3 +377,67 @@ def test_hf_tiny_model(monkeypatch, name):
     for (pname, p), q in zip(model.named_parameters(), xkern_model.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-6, msg=pname)
+
+
+_SHARDED_CHILD = r"""
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_api.gated_rms_norm import gated_rms_norm
+mesh = jax.make_mesh((2, 2), ("data", "model"))
+rng = np.random.default_rng(3)
+x, z, dy = (jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.bfloat16) for _ in range(3))
+w = jnp.asarray(1 + 0.3 * rng.standard_normal(64), jnp.float32)
+out = {}
+for family, opts in (("heads", dict(group_size=None)), ("groups", dict(group_size=16, norm_before_gate=False))):
+    f = lambda a, b, c: gated_rms_norm(a, b, c, 1e-6, **opts)
+    step = lambda a, b, c, d: (lambda y, vjp: (y, *vjp(d)))(*jax.vjp(f, a, b, c))
+    one = step(x, z, w, dy.astype(jnp.float32) if family == "groups" else dy)
+    spec = NamedSharding(mesh, P("data", "model", None))  # tokens over one axis, heads over the other
+    xs, zs, dys = (jax.device_put(a, spec) for a in (x, z, dy.astype(one[0].dtype)))
+    got = jax.jit(step)(xs, zs, w, dys)
+    same = [bool(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))) for a, b in
+            zip(one[:3], got[:3])]
+    dw_err = float(np.max(np.abs(np.asarray(one[3]) - np.asarray(got[3]))) / np.max(np.abs(np.asarray(one[3]))))
+    out[family] = dict(bitwise=same, dw_rel=dw_err, y_spec=str(got[0].sharding.spec))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_jax_partitioned_rows_and_heads():
+    """Under jit on a 2 x 2 CPU mesh, tokens and heads sharded: y, dx and dz bitwise one device's and sharded
+    like x; dw (each device's fp32 sum, all-reduced) within fp32 reassociation."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for family, r in report.items():
+        assert all(r["bitwise"]), (family, r)
+        assert r["dw_rel"] <= 1e-5, (family, r)  # fp32 dw: the same terms summed in another order
+        assert "data" in r["y_spec"] and "model" in r["y_spec"], (family, r)
+
+
+def test_jax_forward_mode():
+    """jax.jvp (the custom_jvp's tangent, the jvp of the jnp expression) against the fp64 directional
+    derivative; jax.grad still runs the backward kernel (bitwise the torch op's, test_torch_jax_bitwise)."""
+    for family in ("norm-llama-then-gate", "gate-then-group-norm"):
+        opts = _options(family, group_size=32)
+        x, z, w, rng = _inputs(("jax jvp", family), (3, 64), "float32", "float32")
+        tangents = [rand(rng, a.shape, "float32") for a in (x, z, w)]
+        _, ty = jax.jvp(functools.partial(jax_gated, eps=EPS, **opts), tuple(jnp.asarray(a) for a in (x, z, w)),
+                        tuple(jnp.asarray(t) for t in tangents))
+        h = 1e-6
+        plus = R.gated_rms_norm_fwd(*(a + h * t.astype(np.float64) for a, t in zip((x, z, w), tangents)), EPS,
+                                    **opts)
+        minus = R.gated_rms_norm_fwd(*(a - h * t.astype(np.float64) for a, t in zip((x, z, w), tangents)), EPS,
+                                     **opts)
+        np.testing.assert_allclose(np.asarray(ty), (plus - minus) / (2 * h), rtol=1e-4, atol=1e-4)
