@@ -22,7 +22,8 @@ import torch
 from torch_api.gated_rms_norm import gated_rms_norm, reference_math
 from torch_api.hf.norm_forward import kernels_take
 from torch_api.hf.originals import SAVED, is_unset, original_forward
-from torch_api.hf.probe import EPS_ATTRS, NORM_NAME, _same_bits
+from torch_api.hf.probe import _PROBE_WIDTH as _WIDTH
+from torch_api.hf.probe import EPS_ATTRS, NORM_NAME, _construct, _same_bits
 from xkern.gated_rms_norm import ACTIVATIONS, ROUNDINGS
 
 
@@ -46,7 +47,6 @@ class GatedNormMath:
         return f"gated:{order}:{self.activation}:{self.rounding}"
 
 
-_WIDTH = 64
 _GROUPS = 4
 _EPS = 2.0 ** -8
 _DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
@@ -61,23 +61,6 @@ def _takes_gate(forward) -> bool:
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return len(params) == 2 and all(p.kind in positional for p in params)
-
-
-def _construct(cls: type) -> torch.nn.Module | None:
-    """Built with the width (and the group size as a second required argument, as Mamba2's takes it)."""
-    try:
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in params if p.default is p.empty and p.kind in positional]
-    if len(required) not in (1, 2) or any(p.default is p.empty and p.kind == p.KEYWORD_ONLY for p in params):
-        return None
-    try:
-        with torch.device("cpu"):
-            return cls(*[_WIDTH, _WIDTH // _GROUPS][:len(required)])
-    except Exception:
-        return None
 
 
 def _group_attr(module) -> str | None:
@@ -126,7 +109,7 @@ def _probe(cls: type) -> GatedNormMath | None:
     forward = original_forward(cls)
     if not _takes_gate(forward):
         return None
-    module = _construct(cls)
+    module = _construct(cls, (_WIDTH, _WIDTH // _GROUPS))  # Mamba2's takes the group size second
     if module is None or list(module.buffers()) or list(module.children()):
         return None
     params = dict(module.named_parameters())

@@ -163,6 +163,23 @@ def _gated_rms_norm_fwd_kernel(
     tl.store(Y + rows * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _group_rstd(x_row, z_row, group_size, EPS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_FIRST: tl.constexpr,
+                SIGMOID: tl.constexpr):
+    # rstd of one group too wide for registers: h**2 summed over column chunks, which L2 is asked to keep
+    # for the caller's second pass
+    sum_sq = tl.zeros([BLOCK_N], tl.float32)
+    for c in range(0, group_size, BLOCK_N):
+        cols = c + tl.arange(0, BLOCK_N)
+        mask = cols < group_size
+        h = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if GATE_FIRST:
+            z = tl.load(z_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            h = h * _act(z, SIGMOID)
+        sum_sq += h * h
+    return tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(group_size) + EPS)
+
+
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "y_row_stride"])
 def _gated_rms_norm_fwd_chunked_kernel(
     X, Z, W,
@@ -179,16 +196,7 @@ def _gated_rms_norm_fwd_chunked_kernel(
     x_row = X + row * (x_row_stride // ROW_ALIGN * ROW_ALIGN) + start
     z_row = Z + row * (z_row_stride // ROW_ALIGN * ROW_ALIGN) + start
     y_row = Y + row * (y_row_stride // ROW_ALIGN * ROW_ALIGN) + start
-    sum_sq = tl.zeros([BLOCK_N], tl.float32)
-    for c in range(0, group_size, BLOCK_N):
-        cols = c + tl.arange(0, BLOCK_N)
-        mask = cols < group_size
-        h = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if GATE_FIRST:
-            z = tl.load(z_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            h = h * _act(z, SIGMOID)
-        sum_sq += h * h
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(group_size) + EPS)
+    rstd = _group_rstd(x_row, z_row, group_size, EPS, BLOCK_N, GATE_FIRST, SIGMOID)
     for c in range(0, group_size, BLOCK_N):
         cols = c + tl.arange(0, BLOCK_N)
         mask = cols < group_size
@@ -268,15 +276,7 @@ def _gated_rms_norm_bwd_stats_kernel(
     z_row = Z + row * (z_row_stride // ROW_ALIGN * ROW_ALIGN) + start
     dy_row = DY + row * (dy_row_stride // ROW_ALIGN * ROW_ALIGN) + start
     inv_n = _inv(group_size)
-    sum_sq = tl.zeros([BLOCK_N], tl.float32)
-    for c in range(0, group_size, BLOCK_N):
-        cols = c + tl.arange(0, BLOCK_N)
-        mask = cols < group_size
-        h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if GATE_FIRST:
-            h = h * _act(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), SIGMOID)
-        sum_sq += h * h
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+    rstd = _group_rstd(x_row, z_row, group_size, EPS, BLOCK_N, GATE_FIRST, SIGMOID)
     sum_gn = tl.zeros([BLOCK_N], tl.float32)
     for c in range(0, group_size, BLOCK_N):
         cols = c + tl.arange(0, BLOCK_N)
