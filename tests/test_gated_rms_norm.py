@@ -441,3 +441,67 @@ def test_jax_forward_mode():
         minus = R.gated_rms_norm_fwd(*(a - h * t.astype(np.float64) for a, t in zip((x, z, w), tangents)), EPS,
                                      **opts)
         np.testing.assert_allclose(np.asarray(ty), (plus - minus) / (2 * h), rtol=1e-4, atol=1e-4)
+
+
+_PARITY_CHILD = r"""
+import sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, torch
+from test_launch_parity import _ptx_from_export, _torch_ptx
+from jax_api._launch import gpu_lowering
+from jax_api.gated_rms_norm import gated_rms_norm
+from xkern.gated_rms_norm import FAMILIES, gated_rms_norm_bwd_recipe, gated_rms_norm_fwd_recipe, out_dtype_name
+
+checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]
+compared = 0
+for rows, n, group, family, act in ((66, 128, None, "norm-llama-then-gate", "silu"),
+                                    (33, 64, None, "norm-fp32-then-gate", "sigmoid"),
+                                    (9, 1024, 128, "gate-then-group-norm", "silu"),
+                                    (3, 9000, None, "gate-then-fp32-group-norm", "silu"),
+                                    (2, 16400, None, "norm-llama-then-gate", "silu")):
+    nbg, _, rnd = FAMILIES[family]
+    opts = dict(norm_before_gate=nbg, activation=act, rounding=rnd)
+    S = jax.ShapeDtypeStruct
+    loss = lambda x, z, w: jnp.sum(gated_rms_norm(x, z, w, 1e-6, group_size=group, **opts).astype(jnp.float32))
+    with gpu_lowering():
+        exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                     disabled_checks=checks)(S((rows, n), jnp.bfloat16), S((rows, n), jnp.bfloat16),
+                                                             S((n,), jnp.float32))
+    jax_ptx = _ptx_from_export(exported.mlir_module())
+    y_dt = out_dtype_name("bfloat16", "float32", nbg, rnd)
+    meta = lambda shape, d: torch.empty(shape, dtype=getattr(torch, d), device="meta")
+    env = dict(x=meta((rows, n), "bfloat16"), z=meta((rows, n), "bfloat16"), w=meta((n,), "float32"),
+               dy=meta((rows, n), y_dt))
+    ours = {}
+    for recipe in (gated_rms_norm_fwd_recipe(rows, n, group or n, 1e-6, "bfloat16", "float32", **opts),
+                   gated_rms_norm_bwd_recipe(rows, n, group or n, 1e-6, "bfloat16", "float32", **opts)):
+        for step in recipe.steps:
+            outs = [meta(b.shape, b.dtype) for b in step.outputs]
+            if step.launch is not None:
+                ours[step.launch.kernel.fn.__name__] = _torch_ptx(step.launch, [env[k] for k in step.inputs] + outs,
+                                                                  step.scalars)
+            env.update(zip((b.name for b in step.outputs), outs))
+    for name, ptx in ours.items():
+        assert name in jax_ptx, (rows, n, name, sorted(jax_ptx))
+        assert all(other == ptx for other in jax_ptx[name]), f"{rows}x{n} {family}: {name} differs"
+        compared += len(jax_ptx[name])
+print(f"identical PTX for {compared} gated launches")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.sm90_static
+def test_torch_and_jax_launch_identical_ptx():
+    """Both front ends compile the same PTX for the gated kernels (sm_90, on CPU): every kernel the plans take."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    run = subprocess.run([sys.executable, "-c", _PARITY_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "identical PTX for" in run.stdout
