@@ -505,3 +505,44 @@ def test_torch_and_jax_launch_identical_ptx():
                          timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "identical PTX for" in run.stdout
+
+
+def test_hf_class_patching_and_kernels_layer():
+    """patch_hf_classes takes the gated classes (and unpatch restores them); the `kernels` layer "RMSNormGated"
+    computes through xkern where kernelize binds it."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    import torch_api
+    from torch_api import hf
+
+    cls = qwen3_next.Qwen3NextRMSNormGated
+    original = cls.forward
+    x, z, w, _ = _inputs(("patch",), (3, 64))
+    module = cls(64, 1e-6)
+    module.weight.data = to_torch(w, "cpu")
+    module.to(to_torch(x).device)
+    xt, zt = to_torch(x), to_torch(z)
+    with torch.no_grad():
+        ref = module(xt, zt)
+        try:
+            assert cls in torch_api.patch_hf_classes("qwen3_next")
+            assert cls.forward is not original
+            assert same_bits(module(xt, zt), gated_rms_norm(xt, zt, module.weight, 1e-6))
+        finally:
+            torch_api.unpatch_hf_classes()
+        assert cls.forward is original and same_bits(module(xt, zt), ref)
+    kernels = pytest.importorskip("kernels")
+    added = "kernel_layer_name" not in cls.__dict__
+    if added:  # transformers marks its classes only for the `kernels` release it pins
+        kernels.replace_kernel_forward_from_hub(cls, "RMSNormGated")
+    try:
+        model = torch.nn.Sequential(cls(64, 1e-6)).to(xt.device)
+        model[0].weight.data = module.weight.data.clone()
+        with kernels.use_kernel_mapping(hf.kernel_mapping(), inherit_mapping=False):
+            kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=str(xt.device))
+        assert model[0].forward.__func__ is hf.gated.XkernRMSNormGated.forward
+        with torch.no_grad():
+            assert same_bits(model[0](xt, zt), gated_rms_norm(xt, zt, module.weight, 1e-6))
+    finally:
+        if added:
+            del cls.kernel_layer_name, cls.kernel_condition

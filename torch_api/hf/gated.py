@@ -167,7 +167,21 @@ def gated_norm_forward(module, hidden_states, gate, math: GatedNormMath) -> torc
 
 
 # ---------------------------------------------------------------------------------------------------
-# Class and instance patching (called by patch_hf_classes and replace_rms_norm).
+# Class and instance patching (called by patch_hf_classes and replace_rms_norm), and the `kernels` layer.
+
+
+class XkernRMSNormGated(torch.nn.Module):
+    """The `kernels` layer for the hub name "RMSNormGated" (Qwen3-Next's and Kimi Linear's classes carry it):
+    stateless, bound by `kernelize` to the module it replaces, whose class's math (`gated_norm_math`) picks
+    the form; a class whose math xkern does not compute keeps its own forward."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        math = gated_norm_math(type(self))
+        out = None if math is None else gated_norm_forward(self, hidden_states, gate, math)
+        return original_forward(type(self))(self, hidden_states, gate) if out is None else out
 
 
 def gated_class_forward(self, hidden_states, gate=None):
