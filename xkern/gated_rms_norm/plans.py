@@ -4,8 +4,9 @@ Fixed rules from shapes and element sizes (no autotuning), one sentence per regi
 - forward, groups up to MAX_FWD_BLOCK wide: tiles of whole groups, FWD_TILE_ELEMS elements (several rows of
   a narrow group: 16 x 128 for the head width of Qwen3-Next), 16 elements per thread per stream;
 - forward, wider groups: one program per (row, group), summing over column chunks, then re-reading the group;
-- backward, groups up to MAX_BWD_BLOCK wide: persistent tiles of whole groups (BWD_TILE_ELEMS elements),
-  BWD_PER_SM programs per SM in all, each keeping its dw slice in registers;
+- backward, groups up to MAX_BWD_BLOCK wide: persistent tiles of whole groups (BWD_TILE_ELEMS elements: 8 x
+  128 for the head width), 8 elements per thread per stream, BWD_WARPS_PER_SM warps per SM in all (every
+  program resident), each keeping its dw slice in registers;
 - backward, wider groups: per (row, group) statistics in column chunks, then a column split (program per
   column block and row set) keeping its dw slice in registers;
 - dw: RMSNorm's fixed-order reduction of the per-program partial rows.
@@ -30,8 +31,12 @@ MAX_FWD_BLOCK = 16384   # widest group the forward holds in registers (x and the
 FWD_CHUNK = 4096        # column chunk of the wider forward
 FWD_TILE_ELEMS = 2048   # elements of a forward tile of narrow groups
 MAX_BWD_BLOCK = 8192    # widest group the backward's tile holds (x, z, dy, w and their fp32 temporaries)
-BWD_TILE_ELEMS = 2048   # elements of a backward tile of narrow groups
-BWD_PER_SM = 4          # backward tiles in flight per SM, narrow groups
+BWD_TILE_ELEMS = 1024   # elements of a backward tile of narrow groups (8 rows of 128)
+# The backward's tiles at 8 elements per thread per stream take 96-116 registers (ptxas, sm_90; 16 take
+# 153-164): 16 warps of them fit an SM's 64K registers, so the persistent grid is 16 warps per SM, all
+# resident at once (no second wave). 8192 wide: 16 warps at 16 elements per thread (128 registers, the most
+# 512 threads may hold), one program per SM.
+BWD_WARPS_PER_SM = 16
 STATS_CHUNK = 4096      # column chunk of the wide backward's statistics pass
 COLS_TILE = (4, 1024, 4)  # the wide backward's column split: BLOCK_M, BLOCK_N, num_warps
 COLS_PROGRAMS = 4 * NUM_SMS
@@ -102,10 +107,11 @@ def plan_gated_rms_norm_bwd(n_rows: int, n_cols: int, group_size: int, eps: floa
         block_n = next_pow2(group_size)
         elems = max(block_n, BWD_TILE_ELEMS)
         block_m = max(1, min(elems // block_n, next_pow2(n_rows)))
-        per_sm = max(1, BWD_PER_SM * 2048 // elems)
+        num_warps = min(BWD_WARPS_PER_SM, max(1, elems // 256))
+        per_sm = BWD_WARPS_PER_SM // num_warps
         # at least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into
         # the reduction's binary, and torch's would not
-        parts = max(2, min(cdiv(n_rows, block_m), cdiv(NUM_SMS * per_sm, n_groups)))
-        bwd = Launch(_gated_rms_norm_bwd_kernel, (parts, n_groups), _warps(elems),
+        parts = max(2, min(cdiv(n_rows, block_m), NUM_SMS * per_sm // n_groups))
+        bwd = Launch(_gated_rms_norm_bwd_kernel, (parts, n_groups), num_warps,
                      {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
     return GatedBwdPlan(stats, bwd, plan_dw_reduce(parts, n_cols), parts)
