@@ -13,15 +13,17 @@ from xkern.launch import FLOATS, POINTER_TYPES
 
 
 def compile_variants():
-    """Every family at every block width (group sizes 1 to past the widest tiles, groups of 8 included) in bf16;
-    every dtype pair at the head width and a wide group; sigmoid in bf16."""
+    """Every block width (group sizes 1 to past the widest tiles, 8 groups of 1024, 3 of 100) for Qwen3-Next's
+    family in bf16; the other families at each kernel; every dtype pair, for one family of each rounding, at
+    the head width and past the widest tiles (the chunked forward, the column-split backward); sigmoid."""
     widths = [(1 << k, 1 << k) for k in range(15)] + [(MAX_BWD_BLOCK + 8, MAX_BWD_BLOCK + 8),
                                                      (MAX_FWD_BLOCK + 8, MAX_FWD_BLOCK + 8), (8192, 1024), (300, 100)]
-    cases = [("bfloat16", "bfloat16", n, g, family, "silu") for n, g in widths for family in FAMILIES]
-    cases += [(x, w, n, n, family, "silu") for x in FLOATS for w in FLOATS for family in FAMILIES
-              for n in (128, MAX_FWD_BLOCK + 8)]
-    cases += [("bfloat16", "bfloat16", n, n, family, "sigmoid") for family in FAMILIES for n in (128, 4096,
-                                                                                              MAX_FWD_BLOCK + 8)]
+    cases = [("bfloat16", "bfloat16", n, g, "norm-llama-then-gate", "silu") for n, g in widths]
+    cases += [("bfloat16", "bfloat16", n, g, family, "silu") for n, g in widths[:1] + widths[7:8] + widths[-4:]
+              for family in FAMILIES if family != "norm-llama-then-gate"]
+    cases += [(x, w, n, n, family, "silu") for x in FLOATS for w in FLOATS
+              for family in ("norm-llama-then-gate", "gate-then-fp32-group-norm") for n in (128, MAX_FWD_BLOCK + 8)]
+    cases += [("bfloat16", "bfloat16", n, n, "norm-fp32-then-gate", "sigmoid") for n in (128, MAX_FWD_BLOCK + 8)]
     for x_dtype, w_dtype, n_cols, group_size, family, activation in cases:
         norm_before_gate, _, rounding = FAMILIES[family]
         options = dict(norm_before_gate=norm_before_gate, activation=activation, rounding=rounding)
