@@ -208,6 +208,7 @@ class _GatedRMSNormFunction(torch.autograd.Function):
         ctx.options = options
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # second derivatives: not provided (a clear error, not zeros)
     def backward(ctx, dy):
         x, gate, weight = ctx.saved_tensors
         dx, dz, dw = _backward(dy, x, gate, weight, *ctx.options)
