@@ -546,3 +546,24 @@ def test_hf_class_patching_and_kernels_layer():
     finally:
         if added:
             del cls.kernel_layer_name, cls.kernel_condition
+
+
+@pytest.mark.slow
+def test_dtensor_rows_sharded():
+    """DTensors sharded on tokens or on heads (2 gloo CPU ranks): y, dx and dz bitwise one rank's, sharded like
+    x; dw (each rank's, summed) within bf16 rounding of the one-rank dw."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "tests" / "gated_dtensor_child.py")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for case, r in report.items():
+        assert all(r["bitwise"]), (case, r)
+        assert r["dw_err"] <= 2 * r["dw_max"] * 2.0 ** -8, (case, r)  # one more bf16 rounding per rank

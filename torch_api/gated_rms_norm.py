@@ -275,3 +275,28 @@ class GatedRMSNorm(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}, "
                 f"norm_before_gate={self.norm_before_gate}, activation={self.activation}, rounding={self.rounding}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# DTensor: rows sharded (any dim but the last: tokens, heads) stay local; y, dx and dz sharded like x, dw
+# `Partial()` (each rank's dw of its rows, in w's dtype, summed when DTensor reduces it). A sharded width
+# (the norm's groups) is gathered.
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    _SCALARS = [None] * 5  # eps, group_size, norm_before_gate, activation, rounding
+
+    @register_sharding(torch.ops.xkern.gated_rms_norm_fwd.default)
+    def _fwd_sharding(x, gate, weight, *options):
+        rep = Replicate()
+        rules = [([rep], [rep, rep, rep, *_SCALARS])]
+        return rules + [([Shard(d)], [Shard(d), Shard(d), rep, *_SCALARS]) for d in range(x.ndim - 1)]
+
+    @register_sharding(torch.ops.xkern.gated_rms_norm_bwd.default)
+    def _bwd_sharding(dy, x, gate, weight, *options):
+        rep = Replicate()
+        rules = [([rep, rep, rep], [rep, rep, rep, rep, *_SCALARS])]
+        return rules + [([Shard(d), Shard(d), Partial()], [Shard(d), Shard(d), Shard(d), rep, *_SCALARS])
+                        for d in range(x.ndim - 1)]
