@@ -6,6 +6,10 @@ Under `jax.jit` each kernel call partitions itself over the leading dims (tokens
 every device runs the single-device kernels on its rows, y, dx and dz keep x's sharding and are bitwise one
 device's; dw is each device's fixed-order fp32 sum, all-reduced in fp32 over the row axes, then rounded once
 to w's dtype. A sharded last dim (the norm's width) is gathered first.
+
+vmap: the forward takes the batch axis as more rows (a batched weight: one call per example), the backward
+one call per example (one dw each). The tangent's `linear_call` has no batching rule, so vmap of grad is
+refused by JAX; jvp, grad and vjp work outside vmap.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_api._launch import check_array, execute, vary_like
+from jax_api._launch import check_array, execute, map_batched, vary_like
 from jax_api.sharding import dim_axes, factor_names, named_sharding, partitioned, per_shard
 from xkern.gated_rms_norm import check_gated_rms_norm, gated_rms_norm_bwd_recipe, gated_rms_norm_fwd_recipe
 from xkern.launch import check_float
@@ -59,7 +63,20 @@ def _fwd_op(options, ndim: int):
         return (mesh, per_shard(lambda x, z, w: _fwd(x, z, w, options)), x_sharding,
                 (x_sharding, x_sharding, named_sharding(mesh, [()])))
 
-    return partitioned(lambda x, z, w: _fwd(x, z, w, options), partition, f"{rows} n, {rows} n, n -> {rows} n")
+    run = partitioned(lambda x, z, w: _fwd(x, z, w, options), partition, f"{rows} n, {rows} n, n -> {rows} n")
+
+    @jax.custom_batching.custom_vmap
+    def op(x, z, w):
+        return run(x, z, w)
+
+    @op.def_vmap
+    def _(axis_size, in_batched, x, z, w):
+        if in_batched[2]:  # a weight per example: one call each
+            return map_batched(op, axis_size, in_batched, x, z, w), True
+        x, z = (a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip((x, z), in_batched))
+        return _fwd_op(options, ndim + 1)(x, z, w), True  # the batch axis: more rows
+
+    return op
 
 
 @functools.cache
@@ -84,7 +101,17 @@ def _bwd_op(options, ndim: int):
                 (x_sharding, x_sharding, x_sharding, w_sharding))
 
     rule = f"{rows} n, {rows} n, {rows} n, n -> {rows} n, {rows} n, n"
-    return partitioned(lambda dy, x, z, w: _bwd(dy, x, z, w, options), partition, rule)
+    run = partitioned(lambda dy, x, z, w: _bwd(dy, x, z, w, options), partition, rule)
+
+    @jax.custom_batching.custom_vmap
+    def op(dy, x, z, w):
+        return tuple(run(dy, x, z, w))
+
+    @op.def_vmap
+    def _(axis_size, in_batched, dy, x, z, w):  # one dw per example: one call each
+        return map_batched(op, axis_size, in_batched, dy, x, z, w), (True, True, True)
+
+    return op
 
 
 def gated_math(x, z, w, eps, group_size=None, norm_before_gate=True, activation="silu", rounding="llama"):

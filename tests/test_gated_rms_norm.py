@@ -567,3 +567,16 @@ def test_dtensor_rows_sharded():
     for case, r in report.items():
         assert all(r["bitwise"]), (case, r)
         assert r["dw_err"] <= 2 * r["dw_max"] * 2.0 ** -8, (case, r)  # one more bf16 rounding per rank
+
+
+def test_jax_vmap_forward():
+    """jax.vmap of the forward: the batch axis as more rows (bitwise the unbatched call), a batched weight one
+    call per example."""
+    opts = _options("gate-then-group-norm", group_size=16)
+    x, z, w, _ = _inputs(("vmap",), (2, 3, 64), "bfloat16", "float32")
+    xj, zj, wj = (jnp.asarray(a) for a in (x, z, w))
+    f = functools.partial(jax_gated, eps=EPS, **opts)
+    plain = np.asarray(f(xj, zj, wj))
+    assert same_bits(np.asarray(jax.vmap(lambda a, b: f(a, b, wj))(xj, zj)), plain)
+    batched = jax.vmap(f)(xj, zj, jnp.stack([wj, 2 * wj]))
+    assert same_bits(np.asarray(batched[0]), plain[0])
