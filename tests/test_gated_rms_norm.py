@@ -580,3 +580,25 @@ def test_jax_vmap_forward():
     assert same_bits(np.asarray(jax.vmap(lambda a, b: f(a, b, wj))(xj, zj)), plain)
     batched = jax.vmap(f)(xj, zj, jnp.stack([wj, 2 * wj]))
     assert same_bits(np.asarray(batched[0]), plain[0])
+
+
+@pytest.mark.slow
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/gated_rms_norm.py at its smoke sizes: every implementation runs, xkern passes the oracle and
+    its JAX front end equals its torch front end bit for bit; the JSON is written."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gated_rms_norm", "--smoke", "--out", str(tmp_path)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("bitwise = torch: True") == 3
+    (path,) = tmp_path.glob("*-gated_rms_norm-smoke.json")
+    rows = json.loads(path.read_text())["results"]
+    xkern = [r for r in rows if r["impl"].startswith("xkern")]
+    assert xkern and all(r["check"] == "pass" and r["status"] == "ok" for r in xkern)
