@@ -7,9 +7,10 @@ its groups of `group_size` columns; a = act(z.float()) with act silu or sigmoid.
               promote(w, x) (rounded to x's dtype when w has it, as eager multiplies two bf16 tensors)
   y = (p * a).to(x.dtype) with the gate after; p.to(y.dtype) with it first (y: promote(w, x) for Llama's
   rounding, as Mamba2 returns `w * normed.to(dtype)` unconverted; x's dtype for FP32_W).
-The activation is torch's CUDA formula: silu `z / (1 + exp(-z))`, sigmoid `1 / (1 + exp(-z))`, with the
-correctly rounded division and libdevice's expf (the CUDA math library's, which torch's kernels call);
-Triton's interpreter has no libdevice, so on CPU `tl.exp` (numpy's) stands in for it.
+The forward's activation is torch's CUDA formula: silu `z / (1 + exp(-z))`, sigmoid `1 / (1 + exp(-z))`, with
+the correctly rounded division and libdevice's expf (the CUDA math library's, which torch's kernels call);
+Triton's interpreter has no libdevice, so on CPU `tl.exp` (numpy's) stands in for it. The backward's (judged
+within tolerance) takes Triton's fast exp and division (`_bwd_act`).
 
 Backward, joint (dx, dz and dw from one read of x, z, dy; rstd recomputed), eager autograd's rounding:
   gate after:  dp = dy * a (rounded to promote(w, x) with Llama's rounding), da = dy * p
@@ -60,9 +61,21 @@ def _act(z, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def _act_grad(z, da, SIGMOID: tl.constexpr):
+def _bwd_act(z, SIGMOID: tl.constexpr):
+    # The backward's (a, s = sigmoid(z)) from one fast exp and one approximate division: its results are
+    # judged within tolerance, not bit for bit, and the forward's exact forms would cost two libdevice exps
+    # and three IEEE divisions an element, more than the element's bytes take to move.
+    s = 1.0 / (1.0 + tl.exp(-z))
+    if SIGMOID:
+        a = s
+    else:
+        a = z * s
+    return a, s
+
+
+@triton.jit
+def _act_grad(z, da, s, SIGMOID: tl.constexpr):
     # torch's silu_backward `dy * s * (1 + x * (1 - s))`; sigmoid_backward `dy * (1 - y) * y`
-    s = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z))
     if SIGMOID:
         dz = da * (1.0 - s) * s
     else:
@@ -122,7 +135,7 @@ def _normed_grads(x, a, dy, w, rstd, GATE_FIRST: tl.constexpr, FP32_W: tl.conste
 
 
 @triton.jit
-def _input_grads(x, z, a, n, g, rstd, mean_gn, da, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr):
+def _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr):
     # (dx, dz) in fp32 from dh = dL/dh = rstd * (g - n * mean(g * n)), h = x * a (gate first) or x
     dh = rstd * (g - n * mean_gn)
     if GATE_FIRST:
@@ -130,7 +143,7 @@ def _input_grads(x, z, a, n, g, rstd, mean_gn, da, GATE_FIRST: tl.constexpr, SIG
         da = dh * x
     else:
         dx = dh
-    return dx, _act_grad(z, da, SIGMOID)
+    return dx, _act_grad(z, da, s, SIGMOID)
 
 
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "y_row_stride"])
@@ -245,13 +258,13 @@ def _gated_rms_norm_bwd_kernel(
         x = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        a = _act(z, SIGMOID)
+        a, s = _bwd_act(z, SIGMOID)
         h = x * a if GATE_FIRST else x
         # a row past the end has rstd 0 (not inf with EPS == 0): it adds nothing to dw
         rstd = tl.where(row_mask, tl.rsqrt(tl.sum(h * h, axis=1) * inv_n + EPS), 0.0)[:, None]
         n, g, t, da = _normed_grads(x, a, dy, w, rstd, GATE_FIRST, FP32_W, x_ty, w_ty)
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
-        dx, dz = _input_grads(x, z, a, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
+        dx, dz = _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
         dw_acc += tl.sum(t, axis=0)
         tl.store(DX + r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(DZ + r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=mask)
@@ -331,10 +344,10 @@ def _gated_rms_norm_bwd_cols_kernel(
         x = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        a = _act(z, SIGMOID)
+        a, s = _bwd_act(z, SIGMOID)
         n, g, t, da = _normed_grads(x, a, dy, w, rstd, GATE_FIRST, FP32_W, x_ty, w_ty)
         dw_acc += tl.sum(t, axis=0)
-        dx, dz = _input_grads(x, z, a, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
+        dx, dz = _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
         tl.store(DX + r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(DZ + r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + part.to(tl.int64) * n_groups * group_size + group * group_size + cols, dw_acc,
