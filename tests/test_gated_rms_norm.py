@@ -602,3 +602,41 @@ def test_benchmark_smoke(tmp_path):
     rows = json.loads(path.read_text())["results"]
     xkern = [r for r in rows if r["impl"].startswith("xkern")]
     assert xkern and all(r["check"] == "pass" and r["status"] == "ok" for r in xkern)
+
+
+@pytest.mark.slow
+def test_hf_gated_module_compiles_fullgraph():
+    """A replace_rms_norm'd Qwen3-Next and Mamba2 gated norm inside a module: torch.compile(fullgraph=True,
+    dynamic=True) takes it whole, the same bits as the class's own eager forward, gradients through it."""
+    import transformers.models.mamba2.modeling_mamba2 as mamba2
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    from torch_api import replace_rms_norm
+
+    class Block(torch.nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x, z):
+            return self.norm(x, z)
+
+    for make in (lambda: qwen3_next.Qwen3NextRMSNormGated(64, 1e-6), lambda: mamba2.Mamba2RMSNormGated(64, 16, 1e-6)):
+        x, z, w, _ = _inputs(("hf compile",), (5, 64))
+        eager, patched = Block(make()), Block(make())
+        for block in (eager, patched):
+            block.norm.weight.data = to_torch(w, "cpu")
+            block.to(to_torch(x).device)
+        assert replace_rms_norm(patched) == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(patched, fullgraph=True, dynamic=True)
+        xt, zt = to_torch(x).requires_grad_(), to_torch(z).requires_grad_()
+        y = compiled(xt, zt)
+        with torch.no_grad():
+            ref = eager(to_torch(x), to_torch(z))
+        if GPU:
+            assert same_bits(y, ref)
+        else:  # the interpreter's exp is numpy's (test_hf_forward_bitwise)
+            assert (to_numpy(y).astype(np.float64) != to_numpy(ref).astype(np.float64)).mean() <= 1e-2
+        y.float().sum().backward()
+        assert torch.isfinite(xt.grad).all() and torch.isfinite(zt.grad).all()
