@@ -32,7 +32,7 @@ FWD_CHUNK = 4096        # column chunk of the wider forward
 FWD_TILE_ELEMS = 2048   # elements of a forward tile of narrow groups
 MAX_BWD_BLOCK = 8192    # widest group the backward's tile holds (x, z, dy, w and their fp32 temporaries)
 BWD_TILE_ELEMS = 1024   # elements of a backward tile of narrow groups (8 rows of 128)
-# The backward's tiles at 8 elements per thread per stream take 96-116 registers (ptxas, sm_90; 16 take
+# The backward's tiles at 8 elements per thread per stream take 80-115 registers (ptxas, sm_90; 16 take
 # 153-164): 16 warps of them fit an SM's 64K registers, so the persistent grid is 16 warps per SM, all
 # resident at once (no second wave). 8192 wide: 16 warps at 16 elements per thread (128 registers, the most
 # 512 threads may hold), one program per SM.
