@@ -4,6 +4,7 @@ backward kernels transpose (jax_api/_linear.py): every JAX transformation (docs/
 from jax_api._ptxas import use_triton_ptxas
 from jax_api.add_rms_norm import add_rms_norm
 from jax_api.ep import ep_combine, ep_dispatch
+from jax_api.gated_rms_norm import gated_rms_norm
 from jax_api.grouped_mm import grouped_mm
 from jax_api.permute import (
     generate_permute_indices,
@@ -18,6 +19,7 @@ __all__ = [
     "add_rms_norm",
     "ep_combine",
     "ep_dispatch",
+    "gated_rms_norm",
     "generate_permute_indices",
     "grouped_mm",
     "inverse_permutation",

@@ -147,8 +147,41 @@ def main():
                                 (w.grad, ref_dw, "dw")):
             assert np.allclose(_np(got).astype(np.float64), want, rtol=2e-2, atol=2e-2), (name, slots, k, n)
         count += 1
+    count += _gated(g)
     torch.cuda.synchronize()
     print(f"sanitize subset: {count} cases ran and matched the oracle")
+
+
+def _gated(g) -> int:
+    """The gated norm: every kernel (tiles of narrow and odd groups, a head-major strided view, the chunked
+    forward and the statistics + column-split backward past the register blocks), every family."""
+    from xkern.gated_rms_norm import FAMILIES
+
+    count = 0
+    for rows, n, group in [(37, 1, 1), (65, 128, None), (19, 300, 100), (9, 1024, 128), (3, 5000, None),
+                           (2, 8200, None), (2, 16400, 8200), (1, 16392, None)]:
+        for nbg, act, rounding in FAMILIES.values():
+            opts = dict(group_size=group, norm_before_gate=nbg, activation=act, rounding=rounding)
+            both = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16, generator=g)
+            if n % 8 == 0:  # rows of a fused projection, read in place
+                both.requires_grad_()
+                x, z = both[:, :n], both[:, n:]
+            else:
+                x, z = both[:, :n].contiguous().requires_grad_(), both[:, n:].contiguous().requires_grad_()
+            w = (1 + 0.3 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16).requires_grad_()
+            eps = 1e-2 if n == 1 else 1e-5
+            y = torch_api.gated_rms_norm(x, z, w, eps, **opts)
+            dy = torch.randn(y.shape, device="cuda", dtype=y.dtype, generator=g)
+            dx, dz, dw = torch.autograd.grad(y, (x, z, w), dy)
+            xn, zn, wn = _np(x), _np(z), _np(w)
+            R.check(_np(y), R.gated_rms_norm_fwd(xn, zn, wn, eps, **opts), "fwd",
+                    R.gated_rms_norm_fwd_tol(xn, zn, wn, eps, **opts))
+            dx_ref, dz_ref, dw_ref, tol = R.gated_rms_norm_bwd(xn, zn, wn, _np(dy), eps, **opts)
+            R.check(_np(dx), dx_ref, "dx")
+            R.check(_np(dz), dz_ref, "dx")
+            R.check(_np(dw), dw_ref, "dw", tol)
+            count += 1
+    return count
 
 
 if __name__ == "__main__":

@@ -126,7 +126,11 @@ def test_every_norm_class_in_transformers(record_property):
     eps_attrs = collections.Counter(m.eps_attr for m in maths.values() if m)
     record_property("summary", f"transformers {transformers.__version__}: {len(classes)} norm classes; by math: "
                                f"{dict(variants)}; eps attribute: {dict(eps_attrs)}")
-    record_property("summary", "left alone: " + ", ".join(sorted(c.__name__ for c, m in maths.items() if m is None)))
+    gated = {c: hf.gated_norm_math(c) for c, m in maths.items() if m is None}  # forward(hidden_states, gate)
+    taken = sum(m is not None for m in maths.values()) + sum(m is not None for m in gated.values())
+    record_property("summary", f"gated norms: {taken - sum(m is not None for m in maths.values())} more; "
+                               f"{taken} of {len(classes)} classes through xkern")
+    record_property("summary", "left alone: " + ", ".join(sorted(c.__name__ for c, m in gated.items() if m is None)))
     assert len(classes) >= 150 and variants["llama"] >= 100 and variants["gemma"] and variants["olmo2"]
     assert variants["none"] and eps_attrs["eps"] and eps_attrs["variance_epsilon"]
 

@@ -5,6 +5,7 @@ import torch
 from torch_api.add_rms_norm import add_rms_norm
 from torch_api.compile_fusion import enable_compile_fusion
 from torch_api.ep import EPHandle, ep_combine, ep_dispatch
+from torch_api.gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from torch_api.grouped_mm import grouped_mm
 from torch_api.hf import fuse_residual_norms, patch_hf_classes, replace_rms_norm, unpatch_hf_classes
 from torch_api.hf_moe import register_xkern_experts, use_xkern_experts
@@ -22,12 +23,14 @@ if torch.distributed.is_available():
 
 __all__ = [
     "EPHandle",
+    "GatedRMSNorm",
     "RMSNorm",
     "add_rms_norm",
     "enable_compile_fusion",
     "ep_combine",
     "ep_dispatch",
     "fuse_residual_norms",
+    "gated_rms_norm",
     "generate_permute_indices",
     "grouped_mm",
     "inverse_permutation",

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 from xkern import device
 
-OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute", "xkern.grouped_mm"]
+OPS = ["xkern.rms_norm", "xkern.add_rms_norm", "xkern.permute", "xkern.grouped_mm", "xkern.gated_rms_norm"]
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_REGS_PER_THREAD = 255
 MAX_REGS_PER_BLOCK = 64 * 1024

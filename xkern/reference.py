@@ -155,6 +155,88 @@ def add_rms_norm_dsum_tol(s, w, dy, eps: float, variant: str = "llama", x_dtype=
     return np.where(near & (rounded != 0), ulp, 0.0)
 
 
+def _act64(z64: np.ndarray, activation: str) -> tuple[np.ndarray, np.ndarray]:
+    """(act(z), sigmoid(z)) in float64, act silu or sigmoid."""
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-z64))
+    return (s if activation == "sigmoid" else z64 * s), s
+
+
+def _grouped(a: np.ndarray, group_size: int) -> np.ndarray:
+    return a.reshape(*a.shape[:-1], a.shape[-1] // group_size if group_size else 0, group_size)
+
+
+def gated_rms_norm_fwd(x, z, w, eps: float, group_size: int | None = None, norm_before_gate: bool = True,
+                       activation: str = "silu", rounding: str = "llama") -> np.ndarray:
+    """Gated RMSNorm (xkern/gated_rms_norm/kernels.py): float64 y with eager's roundings before the last; the
+    caller compares in y's dtype. a = act(z) (silu or sigmoid); h = x * a with the gate first, else x;
+    normed = h * rstd over each group of `group_size` (default: the row); p = w * normed.to(x.dtype) rounded
+    to promote(w, x) ("llama") or w * normed ("fp32"); y = p * a with the gate after, else p."""
+    x64, z64, w64 = (np.asarray(t, np.float64) for t in (x, z, w))
+    group_size = x64.shape[-1] if group_size is None else group_size
+    a, _ = _act64(z64, activation)
+    h = x64 if norm_before_gate else x64 * a
+    with np.errstate(invalid="ignore"):
+        hg = _grouped(h, group_size)
+        n = (hg * _rstd(hg, eps)).reshape(h.shape)
+    if rounding == "llama":
+        p = _round(w64 * _round(n, x.dtype), promote(x.dtype, w.dtype))
+    else:
+        p = w64 * n
+    return p * a if norm_before_gate else p
+
+
+def gated_rms_norm_fwd_tol(x, z, w, eps: float, group_size: int | None = None, norm_before_gate: bool = True,
+                           activation: str = "silu", rounding: str = "llama") -> np.ndarray:
+    """Allowance for an fp32 y from 16-bit x (the gate first, Llama's rounding, an fp32 weight): `normed`
+    computed in fp32 may round to the neighbouring x.dtype value, moving y by 2**-p of |y|. Else zero."""
+    if norm_before_gate or rounding != "llama" or np_dtype(x.dtype).itemsize == 4 or np_dtype(w.dtype) == np_dtype(
+            x.dtype):
+        return np.zeros(())
+    y = gated_rms_norm_fwd(x, z, w, eps, group_size, norm_before_gate, activation, rounding)
+    return np.abs(y) * 2.0 ** -ml_dtypes.finfo(np_dtype(x.dtype)).nmant
+
+
+def gated_rms_norm_bwd(x, z, w, dy, eps: float, group_size: int | None = None, norm_before_gate: bool = True,
+                       activation: str = "silu", rounding: str = "llama"):
+    """float64 (dx, dz, dw, dw_tol) of gated_rms_norm_fwd with eager autograd's rounding points:
+    dp = dL/dp: dy * a (rounded to promote(w, x) for "llama") with the gate after, dy with it first;
+    g = dL/d(normed): "llama" `(dp * w).to(x.dtype)`, "fp32" `dp * w`; dh = rstd * (g - n * mean(g * n)) per
+    group; dx = dh * a, dL/da = dh * x with the gate first, else dx = dh, dL/da = dy * p;
+    dz = dL/da * act'(z). dw sums terms: "llama" `dp * normed.to(x.dtype)` rounded to promote(w, x), "fp32"
+    `dp * normed` (fp32). dw_tol: as rms_norm_bwd's."""
+    x64, z64, w64, dy64 = (np.asarray(t, np.float64) for t in (x, z, w, dy))
+    group_size = x64.shape[-1] if group_size is None else group_size
+    x_dtype, p_dtype = np_dtype(x.dtype), promote(x.dtype, w.dtype)
+    a, s = _act64(z64, activation)
+    h = x64 if norm_before_gate else x64 * a
+    rstd = _rstd(_grouped(h, group_size), eps)
+    n = (_grouped(h, group_size) * rstd).reshape(h.shape)
+    if norm_before_gate:
+        p = _round(w64 * _round(n, x_dtype), p_dtype) if rounding == "llama" else w64 * n
+        da = dy64 * p
+        dp = _round(dy64 * a, p_dtype) if rounding == "llama" else dy64 * a
+    else:
+        dp = dy64
+    if rounding == "llama":
+        g = _round(_round(dp * w64, p_dtype), x_dtype)
+        terms = _round(dp * _round(n, x_dtype), p_dtype)
+        bits = ml_dtypes.finfo(x_dtype).nmant
+    else:
+        g = dp * w64
+        terms = _round(dp * n, np.float32)
+        bits = ml_dtypes.finfo(np.float32).nmant
+    gg, ng = _grouped(g, group_size), _grouped(n, group_size)
+    dh = (rstd * (gg - ng * np.mean(gg * ng, axis=-1, keepdims=True))).reshape(h.shape)
+    if norm_before_gate:
+        dx = dh
+    else:
+        dx, da = dh * a, dh * x64
+    dz = da * s * (1.0 - s) if activation == "sigmoid" else da * s * (1.0 + z64 * (1.0 - s))
+    terms = terms.reshape(-1, x64.shape[-1])
+    return dx, dz, terms.sum(axis=0), np.abs(terms).sum(axis=0) * 2.0 ** -(bits + 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # ULP metrics
 

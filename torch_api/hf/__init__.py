@@ -14,6 +14,10 @@ in bf16, fp16, fp32, and bf16 with an fp32 weight. A class whose forward takes m
 states, holds other parameters or buffers, or differs in a single bit is left alone, so new models are
 covered when their math is one of these and skipped when it is not, without a list to maintain.
 
+The gated norms of the hybrid models (`forward(hidden_states, gate)`: Qwen3-Next, Kimi Linear, Mamba2,
+Nemotron-H, Falcon-H1, ...) are probed the same way against the forms of `torch_api.gated_rms_norm`
+(`gated_norm_math`, `torch_api.hf.gated`) and patched by the first two ways in.
+
 Three ways in:
 - `replace_rms_norm(model)`: instance patching, an instance-level `forward` on each module (nothing is
   added to the state dict; pickling stores the module unpatched; `copy.deepcopy` keeps the patch).
@@ -38,6 +42,7 @@ The modules, each importing only those above it:
 
 from torch_api.hf.classes import patch_hf_classes, unpatch_hf_classes
 from torch_api.hf.fuse import DECODER_LAYER_NAME, fuse_residual_norms, fused_layer_forward
+from torch_api.hf.gated import GatedNormMath, gated_norm_math
 from torch_api.hf.hub import LAYER_REPOSITORY, XkernRMSNorm, kernel_config, kernel_mapping, kernels_layer_repository
 from torch_api.hf.norm_forward import xkern_norm_forward
 from torch_api.hf.originals import original_forward
@@ -47,6 +52,7 @@ from torch_api.hf.replace import replace_rms_norm
 __all__ = [
     "DECODER_LAYER_NAME",
     "EPS_ATTRS",
+    "GatedNormMath",
     "LAYER_REPOSITORY",
     "NORM_NAME",
     "VARIANTS",
@@ -55,6 +61,7 @@ __all__ = [
     "expected_output",
     "fuse_residual_norms",
     "fused_layer_forward",
+    "gated_norm_math",
     "hf_norm_classes",
     "kernel_config",
     "kernel_mapping",

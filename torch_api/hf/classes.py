@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from torch_api.hf.fuse import DECODER_LAYER_NAME, fused_layer_forward
+from torch_api.hf.gated import patch_gated_classes
 from torch_api.hf.norm_forward import xkern_norm_forward
 from torch_api.hf.originals import SAVED, original_forward
 from torch_api.hf.probe import PROBED, hf_norm_classes, modeling_classes, norm_math
@@ -56,7 +57,7 @@ def patch_hf_classes(*model_types: str, fuse_residual: bool = False, experts: bo
         cls.forward = class_forward
         cls.extra_repr = _class_extra_repr
         patched.append(cls)
-    return patched
+    return patched + patch_gated_classes(classes)  # the gated norms (forward(hidden_states, gate))
 
 
 def unpatch_hf_classes() -> list[type]:

@@ -1,5 +1,5 @@
-"""The `kernels` package (Hugging Face's kernel hub): xkern as the layer for the hub name "RMSNorm", from a
-local layer repository (`torch_api/kernels_layer/`: no download)."""
+"""The `kernels` package (Hugging Face's kernel hub): xkern as the layer for the hub names "RMSNorm" and
+"RMSNormGated", from a local layer repository (`torch_api/kernels_layer/`: no download)."""
 
 from __future__ import annotations
 
@@ -30,18 +30,20 @@ class XkernRMSNorm(torch.nn.Module):
 LAYER_REPOSITORY = Path(__file__).parents[1] / "kernels_layer"
 
 
-def kernels_layer_repository():
-    """`kernels.LocalLayerRepository` of `XkernRMSNorm` (no download: the repository ships with torch_api)."""
+def kernels_layer_repository(layer_name: str = "RMSNorm"):
+    """`kernels.LocalLayerRepository` of `XkernRMSNorm` (or of `layer_name`: "RMSNormGated", the gated norms'
+    layer; no download: the repository ships with torch_api)."""
     from kernels import LocalLayerRepository
 
-    return LocalLayerRepository(repo_path=LAYER_REPOSITORY, layer_name="RMSNorm")
+    return LocalLayerRepository(repo_path=LAYER_REPOSITORY, layer_name=layer_name)
 
 
 def kernel_mapping(devices=("cuda", "cpu")) -> dict:
-    """A mapping for `kernels.register_kernel_mapping` / `use_kernel_mapping`: "RMSNorm" -> xkern on
-    `devices`, every mode (torch.compile and training included). CPU runs under TRITON_INTERPRET=1 only."""
-    repo = kernels_layer_repository()
-    return {"RMSNorm": {device: repo for device in devices}}
+    """A mapping for `kernels.register_kernel_mapping` / `use_kernel_mapping`: "RMSNorm" and "RMSNormGated" ->
+    xkern on `devices`, every mode (torch.compile and training included). CPU runs under TRITON_INTERPRET=1
+    only."""
+    return {name: {device: kernels_layer_repository(name) for device in devices}
+            for name in ("RMSNorm", "RMSNormGated")}
 
 
 def kernel_config():
@@ -49,4 +51,5 @@ def kernel_config():
     on CUDA: only xkern's mapping is used (transformers' default maps "RMSNorm" to Liger's kernel)."""
     from transformers import KernelConfig
 
-    return KernelConfig({"RMSNorm": f"{LAYER_REPOSITORY}:RMSNorm"}, use_local_kernel=True)
+    return KernelConfig({name: f"{LAYER_REPOSITORY}:{name}" for name in ("RMSNorm", "RMSNormGated")},
+                        use_local_kernel=True)

@@ -46,19 +46,20 @@ _PROBE_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16
 expected_output = reference_math
 
 
-def _construct(cls: type) -> torch.nn.Module | None:
-    """An instance built with the width as its one required argument (`hidden_size`, `dim`, ...), or none."""
+def _construct(cls: type, args: tuple = (_PROBE_WIDTH,)) -> torch.nn.Module | None:
+    """An instance built with the width as its one required argument (`hidden_size`, `dim`, ...), or none.
+    `args`: the required arguments it may take, in order (the gated norms': the width, then a group size)."""
     try:
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         return None
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [p for p in params if p.default is p.empty and p.kind in positional]
-    if len(required) > 1 or any(p.default is p.empty and p.kind == p.KEYWORD_ONLY for p in params):
+    if len(required) > len(args) or any(p.default is p.empty and p.kind == p.KEYWORD_ONLY for p in params):
         return None
     try:
         with torch.device("cpu"):
-            return cls(*[_PROBE_WIDTH] * len(required))
+            return cls(*args[:len(required)])
     except Exception:  # constructors that want a config, say: not a plain norm
         return None
 

@@ -10,6 +10,7 @@ import torch
 
 from torch_api.hf.classes import class_forward
 from torch_api.hf.fuse import fuse_residual_norms
+from torch_api.hf.gated import replace_gated_norms
 from torch_api.hf.norm_forward import xkern_norm_forward
 from torch_api.hf.originals import is_unset, original_forward
 from torch_api.hf.probe import NormMath, norm_math
@@ -75,4 +76,4 @@ def replace_rms_norm(model: torch.nn.Module, *, fuse_residual: bool = False, exp
             if is_unset(m, "extra_repr"):
                 m.extra_repr = _ExtraRepr(m, math)
             n += 1
-    return n
+    return n + replace_gated_norms(model)  # the gated norms (forward(hidden_states, gate))
