@@ -14,22 +14,21 @@ import math
 import torch
 
 from torch_api._launch import (
-    DIRECT,
     DTYPES,
-    REGISTERED,
     Executor,
     aligned,
     aligned_weight,
     cached,
     check_device,
     check_tensor,
+    direct,
     dtype_name,
-    eager,
     flat_weight,
     forward_mode,
     readable,
     rows_layout,
     signature,
+    traced,
 )
 from xkern.gated_rms_norm import check_gated_rms_norm, gated_rms_norm_bwd_recipe, gated_rms_norm_fwd_recipe
 from xkern.gated_rms_norm import out_dtype_name as _out_dtype_name
@@ -245,13 +244,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """
     eps = check_float("eps", eps)
     options = (eps, group_size, norm_before_gate, activation, rounding)
-    how = eager(x, gate, weight)
-    if how == REGISTERED:
+    if direct(x, gate, weight):
+        return _forward(x, gate, weight, *options)
+    if traced(x, gate, weight):
         group_size = _check(x, gate, weight, *options)
         return torch.ops.xkern.gated_rms_norm_fwd(x, gate, weight, eps, group_size, norm_before_gate, activation,
                                                   rounding)
-    if how == DIRECT:
-        return _forward(x, gate, weight, *options)
     return _GatedRMSNormFunction.apply(x, gate, weight, *options)
 
 
