@@ -37,7 +37,7 @@ def test_readme_runs_every_python_block_and_stays_short():
     GPU kinds' results, the rest prose and the examples."""
     text = (ROOT / "README.md").read_text()
     assert re.findall(r"```python\n(.*?)```", text, re.S) == _readme_blocks()
-    assert len(text.splitlines()) <= 320
+    assert len(text.splitlines()) <= 350  # a front page: ops, first calls per framework, results; details live in docs/
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ def _third_party(path: Path) -> set[str]:
 
 def test_no_import_cycle():
     mods = _modules()
-    deps = {m: _imports(p, mods) - {m} for m, p in mods.items()}
+    # Import-time cycles: module-level imports (an import inside a function runs once both modules are loaded,
+    # as RMSNorm.forward's of the fused add, whose module imports rms_norm).
+    deps = {m: _imports(p, mods, top_level_only=True) - {m} for m, p in mods.items()}
     assert deps["jax_api.rms_norm"] >= {"jax_api.sharding"}, deps["jax_api.rms_norm"]  # the walk sees imports
 
     def reach(start):
