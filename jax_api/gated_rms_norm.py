@@ -1,4 +1,4 @@
-"""Gated RMSNorm for JAX: `gated_rms_norm`, a `jax.custom_jvp` function usable under jit, grad, vjp and jvp, the
+"""Gated RMSNorm for JAX: `gated_rms_norm`, a `jax.custom_jvp` function usable under every transformation, the
 same kernels and recipes as the torch front end (bit for bit its results). Math and rounding:
 `xkern/gated_rms_norm/kernels.py`.
 
@@ -8,8 +8,8 @@ device's; dw is each device's fixed-order fp32 sum, all-reduced in fp32 over the
 to w's dtype. A sharded last dim (the norm's width) is gathered first.
 
 vmap: the forward takes the batch axis as more rows (a batched weight: one call per example), the backward
-one call per example (one dw each). The tangent's `linear_call` has no batching rule, so vmap of grad is
-refused by JAX; jvp, grad and vjp work outside vmap.
+one call per example (one dw each). Differentiable to any order, forward and reverse (jvp, grad, vjp, jacrev,
+hessian, vmap of grad: docs/transformations.md), reverse mode on the backward kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_api._launch import check_array, execute, map_batched, vary_like
+from jax_api._linear import linear
 from jax_api.sharding import dim_axes, factor_names, named_sharding, partitioned, per_shard
 from xkern.gated_rms_norm import check_gated_rms_norm, gated_rms_norm_bwd_recipe, gated_rms_norm_fwd_recipe
 from xkern.launch import check_float
@@ -129,9 +130,9 @@ def gated_math(x, z, w, eps, group_size=None, norm_before_gate=True, activation=
     return p if rounding == "llama" else p.astype(x.dtype)
 
 
-# Autodiff: a custom_jvp whose primal is the forward kernel and whose tangent is linear in the tangents (the
-# jvp of `gated_math`), with the joint backward kernel as its transpose: jax.jvp gets forward mode, jax.grad
-# runs the backward kernel (never a transpose of the jnp tangent).
+# Autodiff (docs/design.md, as jax_api/rms_norm.py): a custom_jvp whose primal is the forward kernel and whose
+# tangent is `linear` in the tangents: the jvp of `gated_math`, transposed by the joint backward kernel (jax.grad
+# runs it, never a jnp transpose). The backward is itself a custom_jvp (a jnp tangent), so every order works.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _gated(x, z, w, options):
     return vary_like(_fwd_op(options, x.ndim)(x, z, w), x)
@@ -140,16 +141,27 @@ def _gated(x, z, w, options):
 @_gated.defjvp
 def _gated_jvp(options, primals, tangents):
     y = _gated(*primals, options)
+    math = lambda x, z, w: gated_math(x, z, w, *options)  # noqa: E731
+    (t,) = linear(lambda x, z, w, tx, tz, tw: [jax.jvp(math, (x, z, w), (tx, tz, tw))[1]],
+                  lambda x, z, w, dy: list(_backward(dy, x, z, w, options)), primals, tangents)
+    return y, t
 
-    def tangent(residuals, lin):
-        return jax.jvp(lambda a, b, c: gated_math(a, b, c, *options), residuals, lin)[1]
 
-    def transpose(residuals, dy):
-        x, z, w = residuals
-        dx, dz, dw = _bwd_op(options, x.ndim)(dy, x, z, w)
-        return vary_like(dx, x), vary_like(dz, z), vary_like(dw, w)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _backward(dy, x, z, w, options):
+    """(dx, dz, dw) from the joint backward kernel."""
+    dx, dz, dw = _bwd_op(options, x.ndim)(dy, x, z, w)
+    return vary_like(dx, x), vary_like(dz, z), vary_like(dw, w)
 
-    return y, jax.custom_derivatives.linear_call(tangent, transpose, tuple(primals), tuple(tangents))
+
+@_backward.defjvp
+def _backward_jvp(options, primals, tangents):
+    out = _backward(*primals, options)
+
+    def math(dy, x, z, w):  # the backward as jnp: the vjp of gated_math
+        return jax.vjp(lambda a, b, c: gated_math(a, b, c, *options), x, z, w)[1](dy)
+
+    return out, jax.jvp(math, primals, tangents)[1]
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float = 1e-6, *,
