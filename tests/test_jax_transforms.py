@@ -76,6 +76,17 @@ def make(op: str, dtype, rows: int = 4, seed: int = 0):
             y, res = xj.add_rms_norm(x, r, w, EPS)
             return y + res
         return f, lambda x, r, w: _norm(x + r, w) + x + r, (x, _rand(rng, (rows, H), dtype), w)
+    if op.startswith("gated_rms_norm"):  # groups of 4 columns; "gate first": the gate before the norm, sigmoid
+        first = op.endswith("gate first")
+        opts = dict(group_size=4, norm_before_gate=not first, activation="sigmoid" if first else "silu")
+
+        def ref(x, z, w):
+            a = jax.nn.sigmoid(z) if first else z * jax.nn.sigmoid(z)
+            h = x * a if first else x
+            n = _norm(h.reshape(rows, 2, 4)).reshape(rows, H) * w
+            return n if first else n * a
+
+        return lambda x, z, w: xj.gated_rms_norm(x, z, w, EPS, **opts), ref, (x, _rand(rng, (rows, H), dtype), w)
     idx = _slots(rows, rng)
     if op == "permute_rows":
         return lambda x: xj.permute_rows(x, idx), lambda x: _take(x, idx), (x,)
@@ -105,8 +116,9 @@ def make(op: str, dtype, rows: int = 4, seed: int = 0):
     raise ValueError(op)
 
 
-OPS = ["rms_norm", "rms_norm gemma", "rms_norm no weight", "add_rms_norm", "permute_rows", "permute_rows top_k",
-       "unpermute_rows", "unpermute_rows probs", "grouped_mm"]
+OPS = ["rms_norm", "rms_norm gemma", "rms_norm no weight", "add_rms_norm", "gated_rms_norm",
+       "gated_rms_norm gate first", "permute_rows", "permute_rows top_k", "unpermute_rows",
+       "unpermute_rows probs", "grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,7 +182,9 @@ TRANSFORMS = {
 # family at float32, one 16-bit cell; every other cell runs in the slow tier.
 DEFAULT = {("rms_norm", "float32", "jvp"), ("rms_norm", "float32", "grad of grad"), ("rms_norm", "bfloat16", "jvp"),
            ("add_rms_norm", "float32", "hvp"), ("permute_rows", "float32", "jvp"),
-           ("unpermute_rows probs", "float32", "hvp"), ("grouped_mm", "float32", "jvp")}
+           ("unpermute_rows probs", "float32", "hvp"), ("grouped_mm", "float32", "jvp"),
+           ("gated_rms_norm", "float32", "vmap grad"), ("gated_rms_norm", "float32", "grad of grad"),
+           ("gated_rms_norm gate first", "float32", "hessian"), ("gated_rms_norm", "bfloat16", "jacrev")}
 
 
 def compare(got, want, dtype_name: str, what: str) -> None:
@@ -301,9 +315,10 @@ def test_index_ops_under_jit_vmap_scan_remat():
 # The device counts: shard_map and auto-sharded jit of every op (jit, jvp, grad), expert parallelism. The
 # explicit-sharded jit column is tests/test_sharding.py's (explicit meshes).
 
-# which arguments split by rows over the mesh (the rest replicated), per op: x, and add_rms_norm's residual and
-# the combine's probs (one row per token)
-ROW_ARGS = {op: (0, 1) if op in ("add_rms_norm", "unpermute_rows probs") else (0,) for op in OPS}
+# which arguments split by rows over the mesh (the rest replicated), per op: x, and add_rms_norm's residual, the
+# gate and the combine's probs (one row per token)
+ROW_ARGS = {op: (0, 1) if op in ("add_rms_norm", "unpermute_rows probs") or op.startswith("gated") else (0,)
+            for op in OPS}
 SHARDED_CELLS = [f"{op}: {mode}" for op in OPS for mode in ("shard_map", "sharded jit")] + [
     "rms_norm_tp: shard_map", "ep: shard_map", "index ops: sharded jit"]
 
