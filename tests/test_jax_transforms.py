@@ -269,6 +269,27 @@ def test_grad_of_permute_and_grouped_mm_run_their_kernels(monkeypatch):
     assert len(ran) == 3, ran  # forward, dx, dw
 
 
+@interpreter_only
+def test_gated_grad_runs_the_backward_kernel(monkeypatch):
+    """jax.grad of gated_rms_norm runs the joint backward kernel; per-example gradients (vmap over x, gate and the
+    weight) are each example's own grad bit for bit, one forward and one backward per example (a dw each)."""
+    f, _, (x, z, w) = make("gated_rms_norm", jnp.float32)
+    grad = jax.grad(_loss(f, jnp.float32), (0, 1, 2))
+    ran = _launches(monkeypatch, jax.jit(grad), x, z, w)
+    assert ran == ["_gated_rms_norm_fwd_kernel", "_gated_rms_norm_bwd_kernel", "_dw_reduce_kernel"], ran
+    batch = [(x, z, w), (-x, 2 * z, 2 * w)]
+    stacked = [jnp.stack(a) for a in zip(*batch)]
+    ran = _launches(monkeypatch, jax.jit(jax.vmap(grad)), *stacked)
+    assert sorted(ran) == sorted(["_gated_rms_norm_fwd_kernel", "_gated_rms_norm_bwd_kernel", "_dw_reduce_kernel"]
+                                 * 2), ran
+    per_example = jax.jit(jax.vmap(grad))(*stacked)
+    for k, args in enumerate(batch):
+        for got, want in zip(per_example, jax.jit(grad)(*args)):
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want))
+    ran = _launches(monkeypatch, jax.jit(lambda *a: jax.jvp(f, a, a)), x, z, w)
+    assert ran == ["_gated_rms_norm_fwd_kernel"], ran
+
+
 def test_integer_inputs_get_float0_tangents():
     """The index ops run under jvp and grad of a float function (their outputs carry no tangent)."""
     ids = jnp.asarray([[0, 2], [1, 0], [2, 1]], jnp.int32)
