@@ -78,7 +78,7 @@ def main():
                     R.add_rms_norm_dsum_tol(s_ref, _np(w), _np(dy), 1e-5, x_dtype=R.BF16))
             R.check(_np(w.grad), dw_ref, "dw", tol)
             count += 1
-    # up to 4096 slots the one-launch search forms, above them (6000 tokens) the scatter and settled gather
+    # up to 4096 slots the one-launch search forms, above them (6000 tokens) the scatter and verified gather
     for tokens, hidden, ranks, align in [(100, 1025, 2, 16), (64, 1, 1, 8), (0, 64, 2, 16), (333, 2048, 4, 128),
                                          (6000, 64, 4, 16)]:
         experts = 8

@@ -1,5 +1,5 @@
 """The grouped GEMM's launch plans: fixed tiles per dtype (no autotuning), fitted to the GPU's shared memory;
-`tile` overrides them (tools/gemm_probe.py sweeps it)."""
+`tile` overrides them (for timing candidate tiles)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class GemmTile(NamedTuple):
 
 # 16-bit: 128 x 256 tiles, 64 deep, 8 warps (two warpgroups of wgmma on sm_90); the rows kernel 4 stages in
 # flight (192 KiB of shared memory) up to an inner dim of DEEP_INNER, 3 past it, dw 3; fewer where the GPU's
-# shared memory holds fewer (`fit`). tools.gemm_probe on an
+# shared memory holds fewer (`fit`). Timed on an
 # H100 (2026-12-06), the MoE benchmark's six GEMMs: at Qwen3-MoE 481-568 TFLOP/s where 128 x 128 x 64 on 3
 # stages ran 423-501 (torch._grouped_mm, CUTLASS: 520-637); at DeepSeek-V3 the forward and dx 452-474 against
 # torch's 433-478, 4 stages losing 19 % at the up projection's 7168-deep forward and 3 % at the down

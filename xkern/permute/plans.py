@@ -72,7 +72,7 @@ def _row_tile(n_cols: int, elem_size: int) -> tuple[int, int, int]:
 # The token-major kernels (the weighted combine and the copy-sum, permute_rows(top_k) and the combine's backward
 # above ONE_LAUNCH_SLOTS) and the slot-major combine backward: TOKEN_ROWS rows of TOKEN_STEP_BYTES per step, 4
 # warps (one 16-byte access a thread), the copies' loop unrolled up to MAX_UNROLL_K copies. At the Qwen3-MoE
-# size (16384 tokens, top 8, hidden 2048 bf16; H100, 2026-12-06, L2 flushed, `tools.moe_probe`): the combine
+# size (16384 tokens, top 8, hidden 2048 bf16; H100, 2026-12-06, L2 flushed): the combine
 # 211.8 us against 229.2 at the row tile (8 x 1024, 8 warps, a loop over the copies), the combine backward
 # token-major 415.7 against 647.5 at the row tile, permute_rows(top_k) token-major 233.2 against 243.2 (0.86,
 # 0.91 and 0.86 of the copy ceiling). The backward's dprobs sum its FP32 terms in BLOCK_H chunks: one tile for

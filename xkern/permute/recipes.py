@@ -151,7 +151,7 @@ def permute_recipe(n_slots: int, n_cols: int, n_src_rows: int, dtype: str, src_r
     names routed copies (slot s reads row idx[s] // top_k): up to ONE_LAUNCH_SLOTS slots one gather launch
     (host-bound calls), above it token-major (the same result: the inverse scatter of idx, then
     `_scatter_token_rows_kernel`, which reads each token row once where the gather reads it once per copy);
-    `token_major` True or False forces a form (`tools.moe_probe` times both)."""
+    `token_major` True or False forces a form (a caller timing both forms)."""
     check_gather_sizes(n_slots)
     if top_k == 1:
         return Recipe(_gather_steps("x", "idx", "out", n_slots, n_cols, n_src_rows, dtype, src_row_stride), ("out",))

@@ -1,6 +1,6 @@
 """RMSNorm's launch plans: which kernel, grid, warps and constexprs a shape takes.
 
-Fixed offline from benchmarks/ and tools/ (no runtime autotuning: it would break determinism and torch/JAX
+Fixed offline from timed candidates (no runtime autotuning: it would break determinism and torch/JAX
 parity). Inputs are shapes and the element size only; docs/design.md states the rules, docs/benchmarks.md
 the measurements behind them.
 """
@@ -37,7 +37,7 @@ BWD_COLS_TILE = (4, 1024, 4, 4)
 FWD_TILE_BELOW = 768     # the forward takes rows narrower than this in tiles of several rows
 FWD_TILE_ELEMS = 2048    # a forward tile's elements (BLOCK_M x BLOCK_N) from 128 wide, 2 warps
 # Row-kernel widths that read x twice (RELOAD): faster there on the H200; at 16384 and up to 2048 holding
-# the row is as fast (numbers: docs/benchmarks.md, entry 7).
+# the row is as fast (numbers:).
 _FWD_RELOAD = {4096, 8192, 32768, 65536}
 REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 
@@ -48,7 +48,7 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 16, 512
 # 8 warps (16 per thread beyond), prefetching (rule: `_bwd_tile`; sweeps: docs/benchmarks.md, entries 10, 18).
 _BWD_NARROW_TILES = {64: (16, 1, 16, True), 128: (32, 2, 4, True), 256: (4, 1, 16, True)}
 # Row backward (rows read twice): the widest BLOCK_N it takes as one block (12289-16384), one 16-warp program
-# per SM (docs/benchmarks.md, entry 8). Narrower, the prefetching tile wins but at 513-576 and 4480-5120
+# per SM (docs/design.md, the rationale). Narrower, the prefetching tile wins but at 513-576 and 4480-5120
 # (BWD_ROW_9X64, BWD_ROW_5X1024: the row in 9 blocks of 64, or 5 of 1024); wider, it takes SPLIT blocks
 # (BWD_WIDE_ROW_MAX).
 BWD_ROW_BLOCK = 16384
@@ -56,7 +56,7 @@ BWD_SPLIT_MAX = 3 * 4096  # 8193-12288: three blocks of 4096 instead (plan_rms_n
 # 16385 and wider: the row kernel again, in blocks of 2048 (to 9 x 2048) or 4096, 16 warps (32 for 4-byte rows),
 # one program per SM, w held up to 20480 (wider, its registers spill); the second read of each row comes from
 # L2, where the column split reads x and dy twice from DRAM: 1.2-1.4x the column split's speed at 16896-28672,
-# 1.03x at 32768 (H100, docs/benchmarks.md, entry 23). Up to these widths by the rows' element size and the
+# 1.03x at 32768 (H100). Up to these widths by the rows' element size and the
 # streams read: at 32768 the fused add's third stream and fp32 rows were slower than the column split (fp32
 # from 24576), their dw partials spilling more; the fused add's fp32 residual stream was not timed.
 BWD_WIDE_ROW_MAX = {(2, 2): 32768, (2, 3): 7 * 4096, (4, 2): 9 * 2048, (4, 3): MAX_BWD_BLOCK}
@@ -64,15 +64,15 @@ BWD_WIDE_HOLD_W = 20480
 # Widths where the prefetching tile's power-of-two block leaves many lanes masked, with two streams (4480-5120:
 # 2-byte rows only): the row kernel in SPLIT blocks instead, as (BLOCK_N, SPLIT, num_warps, programs per SM).
 # 4480-5120 (1024 x 5, split_row): 4 warps, 3 per SM, 5-7 % faster than the 8192-element tile, which leaves
-# 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100, entry 23).
+# 3/8 masked; fp32 rows and the fused add's three streams were 10 % slower so (H100).
 # 513-576 (64 x 9): one warp, 16 per SM, 3-8 % faster than the 1024-element tile, which leaves up to 7/16
-# masked, and 7 % faster with 4-byte rows; the fused add's three streams were 29 % slower so (H100, entry 24).
+# masked, and 7 % faster with 4-byte rows; the fused add's three streams were 29 % slower so (H100).
 BWD_ROW_5X1024 = (1024, 5, 4, 3)
 BWD_ROW_9X64 = (64, 9, 1, 16)
 # The fused add's backward with residual_out's gradient reads a third [n_rows, n_cols] stream: up to this
 # width, where RMSNorm's plan takes one row a tile (and three blocks of 1024 from 2049), it takes two, twice
 # the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
-# RMSNorm's own backward (two streams) took 2-3 % more with two (docs/benchmarks.md, entry 22).
+# RMSNorm's own backward (two streams) took 2-3 % more with two (docs/design.md, the rationale).
 BWD_TWO_ROW_MAX = 3072
 
 
@@ -132,7 +132,7 @@ def plan_rms_norm_fwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         # A row per program. Other widths: SPLIT blocks of up to 4096 (split_row), 8 elements per thread per
         # block, at most 40 in all (more spill; the power-of-two block then, as at 24576). Three blocks read x
         # twice (0.4-3 % faster at 1536-12288); at four or more the second pass was level or slower
-        # (docs/benchmarks.md, entry 19).
+        # (docs/design.md, the rationale).
         block, split = split_row(n_cols, 4096)
         num_warps = max(2, block // 256)
         if split > 1 and split * block // (32 * num_warps) <= 40:
@@ -184,7 +184,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
     (default: contiguous); `variant` from check_variant (the math only, as in the forward); `streams`: the
     [n_rows, n_cols] inputs the kernel reads (x and dy; 3 for the fused add's dres); `itemsize`: the largest
     element size of x and dy in bytes; `cols_tile`: the column split's (BLOCK_M, BLOCK_N, num_warps, programs)
-    for rows wider than `max_bwd_row` (default `bwd_cols_tile()`, the rule; `tools.plan_probe` passes
+    for rows wider than `max_bwd_row` (default `bwd_cols_tile()`, the rule; a caller may pass
     candidates). Grids of up to a few programs per SM: the SM count from `xkern.device.properties()`."""
     check_row_count("x", n_rows)  # the tile kernels number rows (and the next tile's) in int32
     check_row_count("x", n_cols, "columns")  # and the column-split kernels columns
@@ -219,7 +219,7 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         block_m, num_warps, programs_per_sm, prefetch = _bwd_tile(block_n)
         split = 1
         # Widths a power-of-two block would leave more than 1/8 masked, in SPLIT blocks where that measured
-        # faster (docs/benchmarks.md, entry 13): 65-111 (80 = 5 x 16, 96 = 3 x 32; split_row, up to 5) in
+        # faster (docs/design.md, the rationale): 65-111 (80 = 5 x 16, 96 = 3 x 32; split_row, up to 5) in
         # 16-row tiles, 2 warps, 8 programs per SM (at 48 the 64 block won); 2049-3072 in 3 blocks of 1024,
         # 4 warps, 4 per SM; 8193-12288 in blocks of 4096, 16 warps, one per SM (the row kernel would leave a
         # quarter to half of its lanes idle). 3073-8191: the power-of-two block measured as fast as any split.
