@@ -25,11 +25,19 @@ if not GPU:
 # single tests of hundreds of compiles each (compile_check: 1323 variants, ~0.3 s each), the longest of
 # a GPU suite spread over pytest-xdist processes.
 RUN_STATIC = not GPU or os.environ.get("XKERN_GPU_STATIC") == "1"
+# Tests marked `host_devices` run JAX on 4 or 8 host CPU devices under the interpreter in a child process
+# (the sharded cells of the transformation matrix, the sharding checks): the same answer on any machine, so
+# CPU CI runs them, and a GPU run skips them unless XKERN_GPU_HOST_DEVICES=1 (their multi-GPU twins run
+# where 2 or more GPUs are). Each pytest-xdist process that draws one computes its whole child report: a
+# minute or more of interpreter per process, most of a GPU suite's tail.
+RUN_HOST_DEVICES = not GPU or os.environ.get("XKERN_GPU_HOST_DEVICES") == "1"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "sm90_static: a check of the sm_90 build made on the CPU (skipped on a GPU "
                                        "unless XKERN_GPU_STATIC=1)")
+    config.addinivalue_line("markers", "host_devices: JAX on host CPU devices in a child process (skipped on a GPU "
+                                       "unless XKERN_GPU_HOST_DEVICES=1)")
 
 
 # On a GPU, tests of many compiles (or subprocesses) go first, so that pytest-xdist does not start one of
@@ -41,12 +49,13 @@ SLOW_FIRST = ("test_rms_norm_properties.py", "test_scalars.py::test_odd", "test_
 def pytest_collection_modifyitems(config, items):
     if GPU:
         items.sort(key=lambda item: not any(slow in item.nodeid for slow in SLOW_FIRST))  # stable
-    if RUN_STATIC:
-        return
-    skip = pytest.mark.skip(reason="sm_90 build checked on CPU (CI); XKERN_GPU_STATIC=1 runs it here")
+    skips = {"sm90_static": None if RUN_STATIC else "sm_90 build checked on CPU (CI); XKERN_GPU_STATIC=1 runs it here",
+             "host_devices": None if RUN_HOST_DEVICES else
+             "host CPU devices under the interpreter: CPU CI runs it; XKERN_GPU_HOST_DEVICES=1 runs it here"}
     for item in items:
-        if item.get_closest_marker("sm90_static"):
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if reason and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -63,6 +63,7 @@ def _report(gpus: bool = False) -> dict:
 _selected: list[str] = []  # the cases this session's tests ask for (one child runs them all)
 
 
+@pytest.mark.host_devices
 @pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_explicit_sharding(case, request):
     if not _selected:  # every case collected in this session, so that one child runs them together

@@ -488,6 +488,7 @@ def _report(n_dev: int) -> dict:
 
 
 @pytest.mark.parametrize("cell", SHARDED_CELLS)
+@pytest.mark.host_devices
 @pytest.mark.slow  # one child per device count: about a minute of interpreter each
 @pytest.mark.parametrize("n_dev", [4, 8])
 def test_sharded(n_dev, cell):

@@ -76,6 +76,7 @@ def _report(n_devices: int) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.host_devices
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("n_devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_sharded(n_devices, case):
