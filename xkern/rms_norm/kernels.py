@@ -50,6 +50,18 @@ def _inv(n_cols):
     return tl.math.div_rn(1.0, n_cols * 1.0)
 
 
+@triton.jit
+def _rsqrt(v, TY: tl.constexpr):
+    # rsqrt of the statistic of rows normalized in dtype TY. FP32 rows: 1 / sqrt, each correctly rounded (two
+    # roundings, as eager computes it on the CPU), where the GPU's approximate rsqrt (eager's there too) errs
+    # by up to 2 ULP: an FP32 output keeps that error. 16-bit rows: the approximate rsqrt, as eager on the GPU
+    # (its error vanishes in the rounding of `normed` to 16 bits, and this keeps Hugging Face's bits). A
+    # per-row cost, as is `_inv`'s division.
+    if TY == tl.float32:
+        return tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), tl.sqrt_rn(v))
+    return tl.rsqrt(v)
+
+
 # Norm math variants (the constexpr VARIANT of every kernel): what multiplies `normed = x * rstd` (fp32) and
 # where eager PyTorch rounds. LLAMA `w * normed.to(x.dtype)`; GEMMA `(normed * (1 + w.float())).to(x.dtype)`;
 # OLMO2 `(w * normed).to(x.dtype)`; NO_WEIGHT `normed.to(x.dtype)` (W is not read, DW_PARTIAL not written).
@@ -156,7 +168,8 @@ def _rms_norm_fwd_tile(
                           RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + rows * y_row_stride + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * _inv(n_cols) + EPS)
+    rstd = _rsqrt(tl.sum(x * x, axis=1) * _inv(n_cols) + EPS,
+                  RES_OUT.dtype.element_ty if HAS_RESIDUAL else X.dtype.element_ty)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = _scaled(x * rstd[:, None], w[None, :], X.dtype.element_ty, VARIANT)
     tl.store(Y + rows * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -229,7 +242,8 @@ def _rms_norm_fwd_row(
             x = s.to(tl.float32)
         sum_sq += x * x
         xs = xs + (x,)
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS)
+    rstd = _rsqrt(tl.sum(sum_sq, axis=0) * _inv(n_cols) + EPS,
+                  RES_OUT.dtype.element_ty if HAS_RESIDUAL else X.dtype.element_ty)
     for i in tl.static_range(SPLIT):
         cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
@@ -308,7 +322,8 @@ def _rms_norm_fwd_chunked(
             if HAS_RESIDUAL:
                 r_next = tl.load(r_row + cols, mask=cols < n_cols, other=0.0)
             sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+        rstd = _rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS,
+                      RES_OUT.dtype.element_ty if HAS_RESIDUAL else X.dtype.element_ty)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         x_next = tl.load(x_row + cols, mask=mask, other=0.0)
@@ -430,7 +445,8 @@ def _rms_norm_bwd_tile(
                          other=0.0).to(tl.float32)
         # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
         # per row, not per element) so that it adds 0 to dw.
-        rstd = tl.where(cur_rows < n_rows, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS), 0.0)[:, None]
+        rstd = tl.where(cur_rows < n_rows, _rsqrt(tl.sum(x * x, axis=1) * inv_n + EPS, X.dtype.element_ty),
+                        0.0)[:, None]
         n = x * rstd
         g = _grad_normed(dy, w[None, :], X_TY, VARIANT)
         dw_acc += tl.sum(_dw_terms(dy, n, X_TY, W.dtype.element_ty, DY.dtype.element_ty, VARIANT), axis=0)
@@ -535,7 +551,7 @@ def _rms_norm_bwd_split(
             sum_sq += tl.sum(x * x, axis=1)
         # A row past the end (x = 0) with EPS == 0 has rstd = inf, hence n = nan: zero its rstd (one select
         # per row, not per element) so that it adds 0 to dw.
-        rstd = tl.where(cur_rows < n_rows, tl.rsqrt(sum_sq * inv_n + EPS), 0.0)[:, None]
+        rstd = tl.where(cur_rows < n_rows, _rsqrt(sum_sq * inv_n + EPS, X.dtype.element_ty), 0.0)[:, None]
         sum_gn = tl.zeros([BLOCK_M], tl.float32)
         new_dw = ()
         for i in tl.static_range(SPLIT):
@@ -649,7 +665,7 @@ def _rms_norm_bwd_row(
             else:
                 sum_sq += x * x
             if i == SPLIT - 1:  # (this order keeps SPLIT = 1 the binary measured before SPLIT existed)
-                rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+                rstd = _rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS, X.dtype.element_ty)
             if i == 0:
                 sum_gx = g * x
             else:
@@ -730,7 +746,7 @@ def _rms_norm_bwd_stats(
         sum_sq += x * x
         sum_gx += _grad_normed(dy, w, X_TY, VARIANT) * x
     inv_n = _inv(n_cols)
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS)
+    rstd = _rsqrt(tl.sum(sum_sq, axis=0) * inv_n + EPS, X.dtype.element_ty)
     stats = STATS + (batch * n_rows + row) * 2
     tl.store(stats, rstd)
     tl.store(stats + 1, tl.sum(sum_gx, axis=0) * rstd * inv_n)
