@@ -139,27 +139,38 @@ from torch._dynamo.backends.common import aot_autograd
 
 import torch_api  # noqa: F401  (registers the ops as triton_ops: no TRITON_INTERPRET in this process)
 
-graphs = []
+graphs = {}
 
 
-def keep(gm, _):
-    graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-    raise SystemExit(0)  # traced: the CPU cannot launch the GPU kernels
+def keep(key):
+    def compiler(gm, _):
+        graphs[key] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        raise SystemExit(0)  # traced: the CPU cannot launch the GPU kernels
+    return compiler
 
 
-x, w = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
-try:
-    torch.compile(lambda x, w: torch.ops.xkern.rms_norm_fwd(x, w, 1e-6, "llama"), dynamic=True,
-                  backend=aot_autograd(fw_compiler=keep))(x, w)
-except SystemExit:
-    pass
-print(graphs)
+OPS = {"rms_norm_fwd": lambda x, w: torch.ops.xkern.rms_norm_fwd(x, w, 1e-6, "llama"),
+       "rms_norm_bwd": lambda x, w: torch.ops.xkern.rms_norm_bwd(x, x, w, 1e-6, "llama"),
+       "add_rms_norm_fwd": lambda x, w: torch.ops.xkern.add_rms_norm_fwd(x, x, w, 1e-6, "llama", "bfloat16"),
+       "add_rms_norm_bwd": lambda x, w: torch.ops.xkern.add_rms_norm_bwd(x, x, x, w, 1e-6, "llama", "bfloat16")}
+for rows, width in ((6, 16), (1024, 4096)):
+    x, w = torch.randn(rows, width, dtype=torch.bfloat16), torch.randn(width, dtype=torch.bfloat16)
+    for name, f in OPS.items():
+        torch._dynamo.reset()
+        try:
+            torch.compile(f, dynamic=True, backend=aot_autograd(fw_compiler=keep((name, rows))))(x, w)
+        except SystemExit:
+            pass
+print(repr(graphs))
 """
 
 
-def test_gpu_registration_traces_a_symbolic_row_count_to_the_twin():
-    """The GPU's registration (triton_op), traced on the CPU by AOT autograd with a symbolic row count: the
-    op decomposes into its opaque twin (`rms_norm_fwd_any`), not into kernel launches specialized on a shape."""
+def test_gpu_registration_traces_a_symbolic_row_count():
+    """The GPU's registration (triton_op), traced on the CPU by AOT autograd with a symbolic row count: past
+    the plan's saturation row count (`rows_recipe`: 1024 rows of 4096) each op decomposes into its kernel
+    launches (Inductor launches them from its code), below it (6 rows of 16) into its opaque twin
+    (`*_any`), not into launches specialized on a shape."""
+    import ast
     import os
     import subprocess
     import sys
@@ -169,4 +180,62 @@ def test_gpu_registration_traces_a_symbolic_row_count_to_the_twin():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", _GPU_TRACE], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
-    assert "xkern.rms_norm_fwd_any.default" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    graphs = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    for name in ("rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd"):
+        assert graphs[(name, 6)][0] == f"xkern.{name}_any.default", graphs
+        assert "triton_kernel_wrapper_functional" in graphs[(name, 1024)], graphs
+        assert not any(t.endswith("_any.default") for t in graphs[(name, 1024)]), graphs
+
+
+@pytest.mark.parametrize("width", [1, 64, 128, 576, 4096, 20000, 70000])
+def test_saturated_recipes_are_the_concrete_ones(width):
+    """`rows_recipe`'s symbolic recipe (forms read off two large row counts) is, at every row count from its
+    threshold on, the recipe a concrete call of that row count gets: the compiled graph launches the eager
+    call's plan. Row counts at, just past and far past the threshold, and powers of two."""
+    from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
+    from xkern.rms_norm import rms_norm_bwd_recipe, rms_norm_fwd_recipe
+
+    for dt in ("bfloat16", "float32"):
+        for make, args, kwargs in (
+                (rms_norm_fwd_recipe, (width, 1e-6, dt, dt, width, "llama"), {}),
+                (rms_norm_bwd_recipe, (width, 1e-6, dt, dt, width, width), {"variant": "gemma"}),
+                (rms_norm_bwd_recipe, (width, 1e-6, dt, None, width, width), {"variant": "none"}),
+                (add_rms_norm_fwd_recipe, (width, 1e-6, dt, dt, dt, "float32", width, width, "llama"), {}),
+                (add_rms_norm_bwd_recipe, (width, 1e-6, dt, dt, "float32", True, width, width, width), {})):
+            found = _launch._saturated(make, args, tuple(kwargs.items()))
+            assert found is not None, (make.__name__, width, dt)
+            forms, threshold = found
+            for rows in (threshold, threshold + 1, 3 * threshold + 7, 1 << 20, (1 << 20) + 13):
+                assert _launch._at(forms, rows) == make(rows, *args, **kwargs), (make.__name__, width, dt, rows)
+            if threshold > 1:  # the smallest power of two: the one below gets another plan
+                assert _launch._at(forms, threshold // 2) != make(threshold // 2, *args, **kwargs)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Inductor launching the kernels: a GPU")
+@pytest.mark.parametrize("fused", [False, True])
+def test_inductor_dynamic_rows_launch_the_eager_plan(fused):
+    """On the GPU, Inductor with dynamic=True: row counts past the plans' saturation (512 at width 4096) share
+    one graph whose kernels Inductor launches, those below it a second (the twin); y, dx and dw (and the fused
+    add's residual_out and d(residual)) bit for bit the eager calls'."""
+    width = 4096
+    norm = torch_api.RMSNorm(width, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(1)).to(DEVICE))
+
+    def step(module, x, r, dy):
+        x, r = x.detach().requires_grad_(), r.detach().requires_grad_()
+        out = module(x, r) if fused else module(x)
+        out = torch.cat([o.float() for o in out], -1) if fused else out.float()
+        grads = torch.autograd.grad(out, (x, r, module.weight) if fused else (x, module.weight), dy)
+        return (out, *grads)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(norm, dynamic=True)
+    for rows in (512, 600, 1024, 3000, 2, 5):
+        x, r = _x(rows, width, seed=1), _x(rows, width, seed=2)
+        dy = _x(rows, 2 * width if fused else width, seed=3).float()
+        got, want = step(compiled, x, r, dy), step(norm, x, r, dy)
+        assert all(_same(a, b) for a, b in zip(got, want)), rows
+    assert _graphs() <= 2

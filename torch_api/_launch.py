@@ -12,6 +12,7 @@ Three ways to launch one plan, all the same binary:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -269,6 +270,89 @@ def symbolic(*args) -> bool:
     return False
 
 
+# Symbolic row counts (torch.compile with dynamic=True, mark_dynamic, torch.export with a Dim). A plan takes the
+# row count as an int; past a width's saturation row count (tiles at full height, as many programs as the
+# grid's cap) every row count gets the same launches, whose grids, scalars and buffer sizes are the row
+# count, its ceiling division by a tile height, or constants. `rows_recipe` reads those forms off the recipe at
+# two large row counts and finds the smallest power of two from which the recipe is that one; a traced call
+# guards `rows >= it` (one graph for all of them, Inductor launching the kernels from its generated code, the
+# eager call's plan exactly) and takes the opaque twin below it (`register_op`): at most two graphs.
+_R1, _R2 = 1 << 22, 3 << 21
+
+
+class NeedsConcreteRows(Exception):
+    """A symbolic row count below the recipe's saturation (or a recipe of no such form): the twin runs it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerRows:
+    """An int of a saturated recipe that is cdiv(rows, tile): the row count itself at tile 1."""
+
+    tile: int
+
+    def at(self, rows):
+        return rows if self.tile == 1 else (rows + self.tile - 1) // self.tile
+
+
+def _forms(a, b):
+    """`a` (the recipe at _R1 rows) with each int that differs from its counterpart in `b` (the recipe at _R2
+    rows) replaced by its `_PerRows` form; raises NeedsConcreteRows where the two differ otherwise."""
+    if isinstance(a, int) and not isinstance(a, bool) and isinstance(b, int) and a != b:
+        tile = _R1 // a if a > 0 and _R1 % a == 0 else 0
+        if tile and _R2 % tile == 0 and _R2 // tile == b:
+            return _PerRows(tile)
+        raise NeedsConcreteRows
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(_forms(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return {k: _forms(a[k], b[k]) for k in a}
+    if dataclasses.is_dataclass(a) and not isinstance(a, type) and type(a) is type(b):
+        return dataclasses.replace(a, **{f.name: _forms(getattr(a, f.name), getattr(b, f.name))
+                                         for f in dataclasses.fields(a)})
+    if a is b or type(a) is type(b) and a == b:
+        return a
+    raise NeedsConcreteRows
+
+
+def _at(forms, rows):
+    """The recipe of `forms` at `rows` (an int or a SymInt)."""
+    if isinstance(forms, _PerRows):
+        return forms.at(rows)
+    if isinstance(forms, tuple):
+        return tuple(_at(f, rows) for f in forms)
+    if isinstance(forms, dict):
+        return {k: _at(v, rows) for k, v in forms.items()}
+    if dataclasses.is_dataclass(forms) and not isinstance(forms, type):
+        return dataclasses.replace(forms, **{f.name: _at(getattr(forms, f.name), rows)
+                                             for f in dataclasses.fields(forms)})
+    return forms
+
+
+@functools.lru_cache(maxsize=256)
+def _saturated(make, args: tuple, kwargs: tuple):
+    """(forms, the smallest power of two from which make(rows, *args, **kwargs) is `forms` at rows), or None."""
+    recipe = lambda rows: make(rows, *args, **dict(kwargs))  # noqa: E731
+    try:
+        forms = _forms(recipe(_R1), recipe(_R2))
+    except NeedsConcreteRows:
+        return None
+    threshold = _R1
+    while threshold > 1 and recipe(threshold // 2) == _at(forms, threshold // 2):
+        threshold //= 2
+    return forms, threshold
+
+
+def rows_recipe(make, rows, *args, **kwargs):
+    """make(rows, *args, **kwargs), the op's recipe; for a symbolic row count, the saturated recipe with the
+    rows symbolic, after a guard that `rows` is at least its threshold (`NeedsConcreteRows` below it)."""
+    if type(rows) is int:
+        return make(rows, *args, **kwargs)
+    found = _saturated(make, args, tuple(sorted(kwargs.items())))
+    if found is None or not rows >= found[1]:  # (a guard on the symbolic row count)
+        raise NeedsConcreteRows
+    return _at(found[0], rows)
+
+
 def register_op(name: str, fake):
     """Decorator: `fn` as the op `name`, with `fake(*args)` giving its outputs' shapes and dtypes from the
     inputs' alone, so that a traced row count stays symbolic (plans are chosen per call, at run time).
@@ -296,7 +380,12 @@ def register_op(name: str, fake):
 
         @functools.wraps(fn)
         def body(*args):
-            return twin(*args) if symbolic(*args) else fn(*args)
+            if not symbolic(*args):
+                return fn(*args)
+            try:  # a saturated plan (`rows_recipe`): Inductor launches its kernels
+                return fn(*args)
+            except NeedsConcreteRows:
+                return twin(*args)
 
         body.__signature__ = signature
 

@@ -40,6 +40,7 @@ from torch_api._launch import (
     readable,
     register_op,
     rows_layout,
+    rows_recipe,
     rows_view,
     run_recipe,
     signature,
@@ -89,9 +90,9 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
                      variant: str, residual_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out), both contiguous in x's shape."""
     x2, r2 = rows_view(x), rows_view(residual)
-    recipe = add_rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype),
-                                     dtype_name(residual.dtype), dtype_or_none(weight), residual_dtype,
-                                     int(x2.stride(0)), int(r2.stride(0)), variant)
+    recipe = rows_recipe(add_rms_norm_fwd_recipe, x2.shape[0], int(x.shape[-1]), eps, dtype_name(x.dtype),
+                         dtype_name(residual.dtype), dtype_or_none(weight), residual_dtype, int(x2.stride(0)),
+                         int(r2.stride(0)), variant)
     y, res = run_recipe(recipe, x.device, x=x2, r=r2, w=flat_weight(weight))
     return y.view(x.shape), res.view(x.shape)
 
@@ -106,10 +107,9 @@ def add_rms_norm_bwd(dy: torch.Tensor, dres: Optional[torch.Tensor], residual_ou
     inputs = dict(x=s2, w=flat_weight(weight), dy=dy2)
     if dres is not None:
         inputs["dres"] = rows_view(dres)
-    recipe = add_rms_norm_bwd_recipe(int(s2.shape[0]), int(residual_out.shape[-1]), eps, x_dtype, dtype_or_none(weight),
-                                     dtype_name(residual_out.dtype), dres is not None, int(s2.stride(0)),
-                                     int(dy2.stride(0)), None if dres is None else int(inputs["dres"].stride(0)),
-                                     variant=variant)
+    recipe = rows_recipe(add_rms_norm_bwd_recipe, s2.shape[0], int(residual_out.shape[-1]), eps, x_dtype,
+                         dtype_or_none(weight), dtype_name(residual_out.dtype), dres is not None, int(s2.stride(0)),
+                         int(dy2.stride(0)), None if dres is None else int(inputs["dres"].stride(0)), variant=variant)
     dsum, dw = run_recipe(recipe, residual_out.device, **inputs)
     return dsum.view(residual_out.shape), dw.view(-1)
 

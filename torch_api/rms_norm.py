@@ -35,6 +35,7 @@ from torch_api._launch import (
     readable,
     register_op,
     rows_layout,
+    rows_recipe,
     rows_view,
     run_recipe,
     signature,
@@ -71,13 +72,13 @@ def _bwd_fake(dy, x, weight, eps, variant="llama"):
     return x.new_empty(x.shape), x.new_empty((0,)) if weight is None else weight.new_empty(weight.shape)
 
 
-# `variant` is check_variant's ("none" without a weight: `weight` is then None). The plans read the row count
-# at run time (int()): a traced call keeps it symbolic (`register_op`).
+# `variant` is check_variant's ("none" without a weight: `weight` is then None). A traced call keeps the row
+# count symbolic (`rows_recipe`, `register_op`).
 @register_op("xkern::rms_norm_fwd", _fwd_fake)
 def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     x2 = rows_view(x)
-    recipe = rms_norm_fwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), dtype_or_none(weight),
-                                 int(x2.stride(0)), variant)
+    recipe = rows_recipe(rms_norm_fwd_recipe, x2.shape[0], int(x.shape[-1]), eps, dtype_name(x.dtype),
+                         dtype_or_none(weight), int(x2.stride(0)), variant)
     (y,) = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight))
     return y.view(x.shape)
 
@@ -87,8 +88,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
                  eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """dx, and dw (of shape [0] without a weight: an op returns no None)."""
     x2, dy2 = rows_view(x), rows_view(dy)
-    recipe = rms_norm_bwd_recipe(int(x2.shape[0]), int(x.shape[-1]), eps, dtype_name(x.dtype), dtype_or_none(weight),
-                                 int(x2.stride(0)), int(dy2.stride(0)), variant=variant)
+    recipe = rows_recipe(rms_norm_bwd_recipe, x2.shape[0], int(x.shape[-1]), eps, dtype_name(x.dtype),
+                         dtype_or_none(weight), int(x2.stride(0)), int(dy2.stride(0)), variant=variant)
     dx, dw = run_recipe(recipe, x.device, x=x2, w=flat_weight(weight), dy=dy2)
     return dx.view(x.shape), dw.view(-1)
 
