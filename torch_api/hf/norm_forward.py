@@ -20,10 +20,13 @@ def kernels_take(hidden_states: torch.Tensor, weight: torch.Tensor | None) -> bo
 
 def xkern_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor, math: NormMath) -> torch.Tensor | None:
     """`module`'s output through xkern, or None for what the kernels do not take (`kernels_take`), an instance
-    that normalizes more than the last dim (torch.nn.RMSNorm([2, 8])), or an eps the probe did not read: the
-    caller runs the class's forward."""
-    weight = None if math.variant == "none" else module.weight
-    if not kernels_take(hidden_states, weight):
+    that normalizes more than the last dim (torch.nn.RMSNorm([2, 8])), an eps the probe did not read, or dtypes
+    where the class's math is another (`NormMath.dtypes`): the caller runs the class's forward."""
+    if math.variant != "none" and not hasattr(module, "weight"):
+        return None  # an instance built without its weight attribute (MuseSpark's `with_scale=False`)
+    weight = None if math.variant == "none" else module.weight  # None: torch.nn.RMSNorm without affine
+    if not kernels_take(hidden_states, weight) or \
+            not math.takes(hidden_states.dtype, None if weight is None else weight.dtype):
         return None
     width = hidden_states.shape[-1] if hidden_states.dim() else None
     shape = getattr(module, "normalized_shape", None)
