@@ -7,10 +7,11 @@ one-input norms).
 The model: `Qwen3NextForCausalLM` built locally from Qwen3-Next-80B-A3B's config (hidden 2048; linear attention
 with 16 key heads and 32 value heads of 128, whose gated norm runs on rows of 128; full attention 16 heads of
 256, 2 KV heads; vocabulary 151936), random weights (no download), bf16, `--layers` decoder layers of the
-model's pattern (three linear-attention layers, then a full-attention one). Every layer's MLP is the dense MLP
-of the config's `intermediate_size` (`mlp_only_layers`), not the 512 experts: the experts' weights would not
-fit twice, and they are not what is measured. The linear attention runs flash-linear-attention's kernels
-where `fla` is importable, else transformers' torch fallback (the JSON says which).
+model's pattern (three linear-attention layers, then a full-attention one; the last layer full attention).
+Every layer's MLP is the dense MLP of the config's `intermediate_size` (`mlp_only_layers`), not the 512
+experts: the experts' weights would not fit twice, and they are not what is measured. The linear attention
+runs flash-linear-attention's kernels where `fla` is importable, else transformers' torch fallback (the JSON
+says which).
 
 Each path starts from the same weights and gets the same batch. Reported per path: the step's time (forward,
 backward, AdamW step; CUDA events, eager, median of `--steps` after `--warmup` steps), the step's peak memory
@@ -42,11 +43,12 @@ LOGITS_TOL = 1e-2  # relative L2 of the xkern path's first logits to the eager p
 
 
 def config(layers: int, tiny: bool):
+    """The model's config: the layer pattern with the last layer a full-attention one (2 layers: one of each)."""
     from transformers import AutoConfig
 
+    types = [LAYER_PATTERN[i % len(LAYER_PATTERN)] for i in range(layers - 1)] + ["full_attention"]
     return AutoConfig.for_model("qwen3_next", num_hidden_layers=layers, mlp_only_layers=list(range(layers)),
-                                layer_types=[LAYER_PATTERN[i % len(LAYER_PATTERN)] for i in range(layers)],
-                                **(TINY if tiny else {}))
+                                layer_types=types, **(TINY if tiny else {}))
 
 
 def build(layers: int, tiny: bool, device: str):
@@ -82,23 +84,27 @@ def linear_attention_kernels() -> str:
 def loss_of(model, ids):
     import torch
 
-    logits = model(ids).logits
+    logits = model(ids, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     return logits, loss
 
 
-def step_stats(model, ids, steps: int, warmup: int, device: str) -> tuple[float, float | None]:
-    """(median ms per training step, peak MiB above what was allocated before the step)."""
+def step_stats(model, ids, steps: int, warmup: int, device: str) -> tuple:
+    """(the first step's logits, median ms per training step, peak MiB above what was allocated before the
+    step)."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_of(model, ids)[1].backward()
+        logits, loss = loss_of(model, ids)
+        loss.backward()
         opt.step()
+        return logits.detach()
 
-    for _ in range(max(warmup, 1)):  # AdamW's state allocated, kernels compiled and autotuned
+    first = step()  # with the initial weights; AdamW's state allocated, kernels compiled and autotuned
+    for _ in range(warmup - 1):
         step()
     peak = None
     if device == "cuda":
@@ -122,7 +128,7 @@ def step_stats(model, ids, steps: int, warmup: int, device: str) -> tuple[float,
             t0 = time.perf_counter()
             step()
             times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), peak
+    return first, statistics.median(times), peak
 
 
 def compare(logits, ref) -> dict:
@@ -156,15 +162,13 @@ def run(layers: int, batch: int, seq: int, steps: int, warmup: int, tiny: bool, 
                 row["norms_patched"] = replace_rms_norm(model)
                 row["gated_norms_patched"] = sum(isinstance(m.__dict__.get("forward"), gated._GatedForward)
                                                  for m in model.modules())
-            with torch.no_grad():
-                logits = loss_of(model, ids)[0]
+            logits, row["step_ms"], row["peak_mib"] = step_stats(model, ids, 1 if tiny else steps,
+                                                                 1 if tiny else max(warmup, 1), device)
             if ref_logits is None:
                 ref_logits = logits
             else:
                 row["logits_vs_eager"] = compare(logits, ref_logits)
             del logits
-            row["step_ms"], row["peak_mib"] = step_stats(model, ids, 1 if tiny else steps, 0 if tiny else warmup,
-                                                         device)
             row["timing"] = ("tiny: run through once, not a measurement" if tiny else
                              f"CUDA events around eager steps (host gaps included), median of {steps} after "
                              f"{warmup} warm-up steps")
@@ -211,15 +215,16 @@ def markdown(rows: list[dict], gpu: str, linear: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: 3 linear, 1 full)")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="decoder layers, at least 2 (default 4: 3 linear, 1 full)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median; default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, at least 1 (default 3)")
     parser.add_argument("--out", help="directory for <gpu>-gated-model-step.json/.md (default: benchmarks/results/"
                         "<gpu kind>/ on a GPU, nothing on CPU)")
-    parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 layers x 8 tokens, one step per "
-                        "path (every CPU run)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model, 2 layers (one linear, one full "
+                        "attention), 8 tokens, one step per path (every CPU run)")
     args = parser.parse_args(argv)
 
     from benchmarks.machine import GPU, RESULTS, commit, gpu_kind  # noqa: I001 - first: the platform env on CPU

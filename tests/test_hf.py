@@ -662,3 +662,21 @@ def _counting_rms_norm(calls: list):
         yield
     finally:
         norm_forward.rms_norm = real
+
+
+@pytest.mark.skipif(GPU, reason="GPU: `python -m benchmarks.gated_model_step` itself runs there")
+def test_gated_model_step_benchmark_tiny(tmp_path):
+    """`benchmarks.gated_model_step` on the CPU (its tiny model, one linear-attention and one full-attention
+    layer): both paths train a step, the gated norm and the others go through xkern, the logits are eager's
+    bit for bit; the JSON and the markdown row are written."""
+    import json
+
+    from benchmarks import gated_model_step
+
+    assert gated_model_step.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu-gated-model-step.json").read_text())["rows"]
+    assert [r["path"] for r in rows] == list(gated_model_step.PATHS)
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+    assert rows[1]["gated_norms_patched"] == 1 and rows[1]["norms_patched"] > 1
+    assert rows[1]["logits_vs_eager"]["bitwise"]
+    assert "| xkern |" in (tmp_path / "cpu-gated-model-step.md").read_text()
