@@ -27,9 +27,7 @@ import copy
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 from benchmarks.report import table
 
@@ -91,8 +89,10 @@ def loss_of(model, ids):
 
 def step_stats(model, ids, steps: int, warmup: int, device: str) -> tuple:
     """(the first step's logits, median ms per training step, peak MiB above what was allocated before the
-    step)."""
+    step: `timing.training_step_ms`)."""
     import torch
+
+    from benchmarks import timing
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
@@ -106,29 +106,7 @@ def step_stats(model, ids, steps: int, warmup: int, device: str) -> tuple:
     first = step()  # with the initial weights; AdamW's state allocated, kernels compiled and autotuned
     for _ in range(warmup - 1):
         step()
-    peak = None
-    if device == "cuda":
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return first, statistics.median(times), peak
+    return (first, *timing.training_step_ms(step, lambda: opt.zero_grad(set_to_none=True), steps, device))
 
 
 def compare(logits, ref) -> dict:
