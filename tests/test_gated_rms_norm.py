@@ -387,8 +387,8 @@ def test_hf_tiny_model(monkeypatch, name):
     """A tiny random Qwen3-Next (gated norm after the linear attention) and Mamba2 (gate first; grouped in
     5.25), bf16, on the GPU where there is one (the CPU only under the interpreter: compiled kernels take CUDA
     tensors): logits with and without xkern (`replace_rms_norm`) bitwise on the CPU, and on the GPU, where
-    the statistic's sum order can move a rounding that the next layers carry on, at most 1 % of them differ,
-    within 1 % relative L2; gradients within fp32 summation order; the gated norms counted through xkern.
+    the statistic's sum order can move a rounding that the next layers carry on, within 1 % relative L2;
+    gradients within fp32 summation order; the gated norms counted through xkern.
     Eval mode: Mamba2's training forward calls mamba_ssm's fused scan + norm where it is installed, which
     bypasses the norm module."""
     import copy
@@ -405,10 +405,10 @@ def test_hf_tiny_model(monkeypatch, name):
     ids = torch.randint(0, 64, (2, 12)).to(DEVICE)
     logits, xkern_logits = model(ids).logits, xkern_model(ids).logits
     assert calls
-    if GPU:
-        differ = (logits != xkern_logits).float().mean().item()
+    if GPU:  # one moved rounding reaches every later logit of its token (and, through the recurrence, later
+        # tokens): bounded by size, not count; a wrong norm moves them by O(1)
         rel = ((xkern_logits.float() - logits.float()).norm() / logits.float().norm()).item()
-        assert differ <= 1e-2 and rel <= 1e-2, (differ, rel)
+        assert rel <= 1e-2, rel
     else:
         assert same_bits(logits, xkern_logits)
     logits.float().square().mean().backward()
