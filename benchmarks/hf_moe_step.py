@@ -26,9 +26,7 @@ import copy
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 from benchmarks.report import table
 
@@ -93,6 +91,8 @@ def step_time_ms(model, ids, steps: int, device: str) -> tuple[float, float | No
     """(median ms per training step, peak MiB above what was allocated before the step)."""
     import torch
 
+    from benchmarks import timing
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step():
@@ -102,29 +102,7 @@ def step_time_ms(model, ids, steps: int, device: str) -> tuple[float, float | No
         opt.step()
 
     step()  # AdamW's state allocated, kernels compiled
-    peak = None
-    if device == "cuda":
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), peak
+    return timing.training_step_ms(step, lambda: opt.zero_grad(set_to_none=True), steps, device)
 
 
 def run(layers: int, tokens: int, steps: int, smoke: bool, device: str, log) -> list[dict]:

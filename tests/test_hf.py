@@ -150,6 +150,20 @@ def test_every_norm_class_in_transformers(record_property):
     for name in ("MambaRMSNormGated", "DeepseekV4UnweightedRMSNorm"):  # a gate input; rstd rounded to x.dtype
         if name in by_name:
             assert by_name[name] is None, name
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    # Variants the probe takes where they hide: an eps argument without a default, a width that defaults to None,
+    # an unused dummy weight buffer, F.rms_norm; and in some dtypes only (where the class rounds elsewhere in
+    # the others: Idefics to the weight's dtype, MuseSpark's centered norm `1 + w` in the weight's dtype).
+    variants = {"ErgoRMSNorm": hf.NormMath("olmo2", "eps", eps_none=True),
+                "MuseSparkRMSNorm": hf.NormMath("olmo2", "variance_epsilon"),
+                "FalconMambaWeightlessRMSNorm": hf.NormMath("none", "variance_epsilon"),
+                "IdeficsRMSNorm": hf.NormMath("llama", "variance_epsilon", dtypes=frozenset(
+                    {(bf16, bf16), (fp16, fp16), (fp32, fp32)})),
+                "MuseSparkTextCenteredRMSNorm": hf.NormMath("gemma", "eps", dtypes=frozenset(
+                    {(bf16, fp32), (fp32, fp32)}))}
+    for name, math in variants.items():  # (eps attribute names move between releases)
+        if name in by_name:
+            assert (by_name[name].variant, by_name[name].dtypes) == (math.variant, math.dtypes), name
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 64, generator=gen).to(DEVICE, torch.bfloat16)
@@ -158,8 +172,9 @@ def test_every_norm_class_in_transformers(record_property):
         if math is None:
             continue
         module = probe._construct(cls).to(DEVICE)
-        if math.variant != "none":
-            module.weight = torch.nn.Parameter((1.0 + 0.5 * torch.randn(64, generator=gen)).to(DEVICE, torch.bfloat16))
+        if math.variant != "none":  # bf16, or the weight dtype the class is taken with for a bf16 input
+            w_dtype = bf16 if math.takes(bf16, bf16) else fp32
+            module.weight = torch.nn.Parameter((1.0 + 0.5 * torch.randn(64, generator=gen)).to(DEVICE, w_dtype))
         setattr(module, math.eps_attr, 1e-5)
         out = hf.xkern_norm_forward(module, x, math)
         assert _same(out, hf.original_forward(cls)(module, x)), cls.__name__
@@ -196,11 +211,54 @@ def test_probe_rejects_other_math():
             xf = hidden_states.float()
             return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
 
-    for cls in (HardCodedEps, SqrtNotRsqrt, GatedRMSNorm):
+    class ReadsItsBufferRMSNorm(torch.nn.Module):  # a buffer weight: the probe fills it with random values
+        def __init__(self, hidden_size=64, eps=1e-6):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Buffer(torch.ones(hidden_size)), eps
+
+        def forward(self, hidden_states):
+            xf = hidden_states.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
+
+    class Fp32OnlyRMSNorm(LlamaRMSNorm):  # Llama's bits in fp32 only, where the roundings tell nothing apart
+        def forward(self, hidden_states):
+            xf = hidden_states.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * (hidden_states * rstd.to(hidden_states.dtype))
+
+    for cls in (HardCodedEps, SqrtNotRsqrt, GatedRMSNorm, ReadsItsBufferRMSNorm, Fp32OnlyRMSNorm):
         assert hf.norm_math(cls) is None, cls.__name__
     assert hf.norm_math(SameMathRMSNorm) == hf.NormMath("llama", "variance_epsilon")
     assert hf.norm_math(EpsNamedRMSNorm) == hf.NormMath("llama", "eps")
     assert hf.norm_math(torch.nn.LayerNorm) is None  # (torch.nn.RMSNorm is taken: its own test below)
+
+
+def test_dtype_restricted_math_falls_back_elsewhere():
+    """A class taken in some dtype pairs only (`NormMath.dtypes`) runs through xkern there and its own forward
+    in the others: bit for bit its own forward either way."""
+    class WeightDtypeRMSNorm(LlamaRMSNorm):  # Idefics' rounding: normed to the weight's dtype where it is half
+        def forward(self, hidden_states):
+            xf = hidden_states.float()
+            normed = hidden_states * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            if self.weight.dtype in (torch.float16, torch.bfloat16):
+                normed = normed.to(self.weight.dtype)
+            return self.weight * normed
+
+    math = hf.norm_math(WeightDtypeRMSNorm)
+    assert math.variant == "llama" and not math.takes(torch.bfloat16, torch.float32)
+    assert math.takes(torch.bfloat16, torch.bfloat16) and math.takes(torch.float16, torch.float16)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    calls = []
+    for w_dtype in (torch.bfloat16, torch.float32):
+        norm = WeightDtypeRMSNorm(64).to(DEVICE, w_dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.5, generator=None)
+        ref = WeightDtypeRMSNorm.forward(norm, x)
+        torch_api.replace_rms_norm(norm)
+        with _counting_rms_norm(calls):
+            assert _same(norm(x), ref), w_dtype
+    assert len(calls) == 1  # bf16 weight: xkern; fp32 weight: the class's own forward (an fp32 output)
 
 
 # --- instance patching on tiny models ---------------------------------------------------------------
@@ -604,3 +662,21 @@ def _counting_rms_norm(calls: list):
         yield
     finally:
         norm_forward.rms_norm = real
+
+
+@pytest.mark.skipif(GPU, reason="GPU: `python -m benchmarks.gated_model_step` itself runs there")
+def test_gated_model_step_benchmark_tiny(tmp_path):
+    """`benchmarks.gated_model_step` on the CPU (its tiny model, one linear-attention and one full-attention
+    layer): both paths train a step, the gated norm and the others go through xkern, the logits are eager's
+    bit for bit; the JSON and the markdown row are written."""
+    import json
+
+    from benchmarks import gated_model_step
+
+    assert gated_model_step.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu-gated-model-step.json").read_text())["rows"]
+    assert [r["path"] for r in rows] == list(gated_model_step.PATHS)
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+    assert rows[1]["gated_norms_patched"] == 1 and rows[1]["norms_patched"] > 1
+    assert rows[1]["logits_vs_eager"]["bitwise"]
+    assert "| xkern |" in (tmp_path / "cpu-gated-model-step.md").read_text()

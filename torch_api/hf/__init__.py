@@ -10,9 +10,11 @@ xkern computes (`norm_math`):
     none:   normed.to(x.dtype)                (no weight: Llama4's L2 norm)
     normed = x.float() * rsqrt(mean(x.float()**2, -1) + eps), eps read from `variance_epsilon` or `eps`
 
-in bf16, fp16, fp32, and bf16 with an fp32 weight. A class whose forward takes more than the hidden
-states, holds other parameters or buffers, or differs in a single bit is left alone, so new models are
-covered when their math is one of these and skipped when it is not, without a list to maintain.
+in bf16, fp16, fp32, and bf16 with an fp32 weight (or in some of those pairs only, one with a 16-bit input:
+then for those pairs only; Idefics rounds to the weight's dtype). A class whose forward takes more than the
+hidden states, holds other parameters, reads its buffers (they are filled with random values first), or
+differs in a single bit is left alone, so new models are covered when their math is one of these and skipped
+when it is not, without a list to maintain.
 
 The gated norms of the hybrid models (`forward(hidden_states, gate)`: Qwen3-Next, Kimi Linear, Mamba2,
 Nemotron-H, Falcon-H1, ...) are probed the same way against the forms of `torch_api.gated_rms_norm`

@@ -1,9 +1,13 @@
 """Which norm classes xkern takes: decided by probing each class's forward, not by its name.
 
-A class named like NORM_NAME is built with the probe width as its one argument and run on a small random
-input in bf16, fp16, fp32, and bf16 with an fp32 weight; it is taken when it gives bit for bit one of the
-expressions of VARIANTS (`expected_output`) with eps read from one of EPS_ATTRS. The answer is cached per
-class (`norm_math`).
+A class named like NORM_NAME is built with the probe width (`_construct`) and run on a small random input in
+bf16, fp16, fp32, and bf16 with an fp32 weight; it is taken when it gives bit for bit one of the expressions
+of VARIANTS (`expected_output`) with eps read from one of EPS_ATTRS: in all four, or (a class that rounds
+somewhere else in some dtypes: Idefics rounds to the weight's dtype, MuseSpark's centered norm adds 1 to the
+weight in its own dtype) in some of them, one at least with a half-precision input, for those dtype pairs
+only. Buffers are filled with random values first: a class is taken only where its output does not read
+them (FalconMamba's weightless norm keeps an unused dummy weight). The answer is cached per class
+(`norm_math`).
 """
 
 from __future__ import annotations
@@ -29,11 +33,16 @@ NONE_EPS = float(torch.finfo(torch.float32).eps)  # eps None: torch.nn.RMSNorm's
 class NormMath:
     """What a class computes: one of VARIANTS, with eps read from the attribute `eps_attr`; `eps_none`: where
     that attribute is None, eps is FP32's machine epsilon (torch.nn.RMSNorm's default: the epsilon of the dtype
-    it computes in, fp32 for every input dtype)."""
+    it computes in, fp32 for every input dtype). `dtypes`: the (input dtype, weight dtype) pairs where it
+    does (weight dtype None without a weight); None: every pair."""
 
     variant: str
     eps_attr: str
     eps_none: bool = False
+    dtypes: frozenset | None = None
+
+    def takes(self, x_dtype: torch.dtype, w_dtype: torch.dtype | None) -> bool:
+        return self.dtypes is None or (x_dtype, w_dtype) in self.dtypes
 
 
 _PROBE_WIDTH = 64
@@ -46,22 +55,48 @@ _PROBE_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16
 expected_output = reference_math
 
 
+_EPS_PARAMS = ("eps", "epsilon", "variance_epsilon")
+
+
 def _construct(cls: type, args: tuple = (_PROBE_WIDTH,)) -> torch.nn.Module | None:
     """An instance built with the width as its one required argument (`hidden_size`, `dim`, ...), or none.
-    `args`: the required arguments it may take, in order (the gated norms': the width, then a group size)."""
+    `args`: the required arguments it may take, in order (the gated norms': the width, then a group size).
+    A required eps (`ErgoRMSNorm(hidden_size, eps)`) gets 1e-6; a first argument that defaults to None
+    (`MuseSparkRMSNorm(hidden_size=None)`) gets the width."""
     try:
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         return None
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in params if p.default is p.empty and p.kind in positional]
-    if len(required) > len(args) or any(p.default is p.empty and p.kind == p.KEYWORD_ONLY for p in params):
+    if any(p.default is p.empty and p.kind == p.KEYWORD_ONLY for p in params):
         return None
+    required = [p for p in params if p.default is p.empty and p.kind in positional]
+    given, rest = [], list(args)
+    for p in required:
+        if p.name in _EPS_PARAMS:
+            given.append(1e-6)
+        elif rest:
+            given.append(rest.pop(0))
+        else:
+            return None
+    if not required and params and params[0].kind in positional and params[0].default is None:
+        given = list(args[:1])
     try:
         with torch.device("cpu"):
-            return cls(*args[:len(required)])
+            return cls(*given)
     except Exception:  # constructors that want a config, say: not a plain norm
         return None
+
+
+def _randomize_buffers(module: torch.nn.Module) -> bool:
+    """Fill every buffer with random values (False where one is not floating point): a class whose output
+    still matches does not read them."""
+    gen = torch.Generator().manual_seed(23)
+    for b in module.buffers():
+        if not b.is_floating_point():
+            return False
+        b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64).to(b.dtype))
+    return True
 
 
 def _takes_hidden_states_only(forward) -> bool:
@@ -80,7 +115,7 @@ def _probe(cls: type) -> NormMath | None:
     if not _takes_hidden_states_only(forward):
         return None
     module = _construct(cls)
-    if module is None or list(module.buffers()) or list(module.children()):
+    if module is None or list(module.children()) or not _randomize_buffers(module):
         return None
     params = dict(module.named_parameters())
     has_weight = params.keys() == {"weight"} and tuple(params["weight"].shape) == (_PROBE_WIDTH,)
@@ -93,7 +128,7 @@ def _probe(cls: type) -> NormMath | None:
     w64 = 1.0 + 0.5 * torch.randn(_PROBE_WIDTH, generator=gen, dtype=torch.float64)
     candidates = ("llama", "gemma", "olmo2") if has_weight else ("none",)
     for eps_attr in eps_attrs:
-        matching = set(candidates)
+        pairs = {v: set() for v in candidates}  # variant -> the probe's dtype pairs where the class gives it
         for x_dtype, w_dtype in _PROBE_DTYPES:
             x, w = x64.to(x_dtype), w64.to(w_dtype)
             for a in eps_attrs:  # the other attribute gets another value: the one read must be this one
@@ -101,19 +136,30 @@ def _probe(cls: type) -> NormMath | None:
             out = _output(module, forward, x, w if has_weight else None)
             if out is None:
                 return None
-            matching = {v for v in matching if _same_bits(out, expected_output(x, w, _PROBE_EPS, v))}
-            if not matching:
-                break
-        if len(matching) == 1:
-            variant = matching.pop()
-            return NormMath(variant, eps_attr, _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight))
+            for v in candidates:
+                if _same_bits(out, expected_output(x, w, _PROBE_EPS, v)):
+                    pairs[v].add((x_dtype, w_dtype if has_weight else None))
+        probed = {(xd, wd if has_weight else None) for xd, wd in _PROBE_DTYPES}
+        everywhere = [v for v in candidates if pairs[v] == probed]
+        if len(everywhere) == 1:
+            variant, dtypes = everywhere[0], None
+        else:  # in some dtypes only: the one variant that matches most, where a rounding tells them apart
+            most = max(len(p) for p in pairs.values())
+            best = [v for v in candidates if len(pairs[v]) == most]
+            if len(best) != 1 or not any(xd != torch.float32 for xd, _ in pairs[best[0]]):
+                continue
+            variant, dtypes = best[0], frozenset(pairs[best[0]])
+        eps_none = _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight, dtypes)
+        return NormMath(variant, eps_attr, eps_none, dtypes)
     return None
 
 
-def _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight) -> bool:
+def _eps_none(module, forward, eps_attr, variant, x64, w64, has_weight, dtypes) -> bool:
     """Whether `module` with eps None computes `variant` with FP32's machine epsilon (NONE_EPS)."""
     setattr(module, eps_attr, None)
     for x_dtype, w_dtype in _PROBE_DTYPES:
+        if dtypes is not None and (x_dtype, w_dtype if has_weight else None) not in dtypes:
+            continue
         x, w = x64.to(x_dtype) * 0.01, w64.to(w_dtype)  # small rows: the epsilon moves every output
         if not _same_bits(_output(module, forward, x, w if has_weight else None),
                           expected_output(x, w, NONE_EPS, variant)):
