@@ -9,7 +9,7 @@ The tree measured is the one first on the import path, so one script times anoth
 (stubbed at `_Launcher.__call__`, which every tree's executors launch through). Public calls only, at
 benchmarks.host's shape (16x4096 bf16), beside F.rms_norm and an autograd.Function that only allocates (the
 floor of any Python-defined op); each loop of LOOP calls is taken in turn over ROUNDS rounds and the fastest
-kept (the least disturbed by other processes on a shared machine).
+kept (the least disturbed by other processes on a shared machine); on the CPU, of the thread's CPU time.
 `--profile NAME` prints a cProfile of that entry instead.
 """
 
@@ -68,16 +68,16 @@ def entries(device: str) -> dict:
     }
 
 
-def measure(calls: dict, sync) -> dict:
+def measure(calls: dict, sync, clock) -> dict:
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, call in calls.items():
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(LOOP):
                 call()
             sync()
-            times[name].append((time.perf_counter() - start) / LOOP * 1e6)
+            times[name].append((clock() - start) / LOOP * 1e6)
     return {name: min(t) for name, t in times.items()}
 
 
@@ -105,7 +105,10 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
     print(f"torch_api from {os.path.dirname(tp.__file__)}, {device}" + ("" if CUDA else ", launches stubbed"))
-    for name, us in measure(calls, torch.cuda.synchronize if CUDA else lambda: None).items():
+    # On the CPU the thread's own CPU time: time the thread spent descheduled (a shared machine) is not counted
+    timed = measure(calls, torch.cuda.synchronize, time.perf_counter) if CUDA else \
+        measure(calls, lambda: None, time.thread_time)
+    for name, us in timed.items():
         print(f"{name:32s} {us:7.1f} us  ({launches[name]} launches)")
 
 
