@@ -23,6 +23,7 @@ def compile_variants():
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 576, 4096, 5120, MAX_BWD_BLOCK + 1, 20480,
                                                               MAX_FWD_BLOCK // 2 + 1, MAX_FWD_BLOCK + 1)]
+    cases += [(x, w, n, 16) for x, w in pairs for n in (128, 4096)]  # one backward program: dw in w's dtype
     cases = [(*case, "llama") for case in cases]
     # The other variants: every kernel (each BLOCK_N once) and every dtype pair, each with its own rounding
     # points; "none" reads x only (W bound to x).
@@ -31,6 +32,7 @@ def compile_variants():
         cases += [("bfloat16", "bfloat16", n, 100_000, variant) for n in variant_widths]
         cases += [(x, w, n, 100_000, variant) for x, w in pairs if variant != "none" or x == w
                   for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1)]
+        cases += [("bfloat16", "bfloat16", n, 16, variant) for n in (128, 4096)]
     for x_dtype, w_dtype, n_cols, n_rows, variant in cases:
         y_dtype = out_dtype_name(x_dtype, w_dtype, variant)
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
