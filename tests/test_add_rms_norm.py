@@ -25,6 +25,7 @@ import torch_api
 import torch_api._launch as tl_launch
 from xkern import reference as R
 from xkern.add_rms_norm import add_rms_norm_bwd_recipe, add_rms_norm_fwd_recipe
+from xkern.rms_norm import rms_norm_bwd_recipe
 
 EPS = 1e-6
 
@@ -245,10 +246,12 @@ def test_empty_and_recipes_cache():
     assert y.shape == res.shape == (0, 8)
     assert add_rms_norm_fwd_recipe(4, 128, EPS, "bfloat16", "bfloat16", "bfloat16", "bfloat16") is \
         add_rms_norm_fwd_recipe(4, 128, EPS, "bfloat16", "bfloat16", "bfloat16", "bfloat16")
-    # no residual_out gradient and equal dtypes: exactly rms_norm's backward launches
-    plain = add_rms_norm_bwd_recipe(4, 128, EPS, "bfloat16", "bfloat16", "bfloat16", False)
-    assert [s.launch.kernel.fn.__name__ for s in plain.steps if s.launch] == ["_rms_norm_bwd_kernel",
-                                                                              "_dw_reduce_kernel"]
+    # no residual_out gradient and equal dtypes: exactly rms_norm's backward launches (4 rows: one program,
+    # which writes dw itself; 4096 rows: dw partials and their reduction)
+    for rows, kernels in ((4, ["_rms_norm_bwd_kernel"]), (4096, ["_rms_norm_bwd_kernel", "_dw_reduce_kernel"])):
+        plain = add_rms_norm_bwd_recipe(rows, 128, EPS, "bfloat16", "bfloat16", "bfloat16", False)
+        assert plain == rms_norm_bwd_recipe(rows, 128, EPS, "bfloat16", "bfloat16")
+        assert [s.launch.kernel.fn.__name__ for s in plain.steps if s.launch] == kernels
     # residual_out's gradient, a third stream read: two rows a tile where RMSNorm's plan takes one
     for width, rows in ((2048, (1, 2)), (1000, (1, 2)), (3072, (1, 2)), (4096, (1, 1)), (128, (32, 32))):
         plain, fused = (add_rms_norm_bwd_recipe(4096, width, EPS, "bfloat16", "bfloat16", "bfloat16", d).steps[0]

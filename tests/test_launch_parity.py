@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # match, the rest of the PTX may not. (5, 40000) gives 3 dw partials.
 # 80, 3072 and 12288: the backward's SPLIT blocks; 576 and 5000: its row kernel in 9 x 64 and 5 x 1024 (2-byte
 # rows); 256: its 4-row narrow tile (JAX's backward timed 4-5 % slower than torch's at 256 and 3072 in two
-# sweeps: not the binary).
+# sweeps: not the binary). (16, 4096), most of the narrower shapes and (3, 9000): one backward program that
+# writes dw itself (BwdPlan.dw_direct).
 SHAPES = [(33, 80), (33, 128), (64, 128), (33, 256), (33, 300), (9, 576), (33, 2048), (40, 3072), (48, 4096),
-          (7, 5000), (3, 9000), (3, 12288), (3, 20000), (5, 40000), (7, 1)]
+          (16, 4096), (7, 5000), (3, 9000), (3, 12288), (3, 20000), (5, 40000), (7, 1)]
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("bfloat16", "float32")]
 VARIANTS = ["gemma", "olmo2", "none"]
 VARIANT_SHAPES = [(33, 128), (3, 9000), (3, 20000)]
@@ -122,7 +123,9 @@ def _child() -> None:
                                 variant)
         bwd = plan_rms_norm_bwd(rows, n, eps, (n, n, n), variant=variant,
                                 itemsize=4 if "float32" in (x_dt, y_dt) else 2)  # x's and dy's, as the recipe
-        partial = torch.empty((bwd.n_partials, n), dtype=torch.float32, device="meta")
+        # (one program writes dw itself, in w's dtype: `dw_direct`)
+        partial = torch.empty((bwd.n_partials, n), dtype=getattr(torch, w_dt) if bwd.dw_direct else torch.float32,
+                              device="meta")
         stats = torch.empty((rows, 2), dtype=torch.float32, device="meta")
         scalars = dict(n_rows=rows, n_cols=n, x_row_stride=n, dy_row_stride=n, dx_row_stride=n)
         inputs = [t["x"], t["w"], t["y"]] + ([stats] if bwd.stats else [])
@@ -173,7 +176,7 @@ def _child() -> None:
             env.update(zip((b.name for b in step.outputs), outs))
         return out
 
-    for rows, n in ((33, 128), (7, 5120), (3, 16384), (3, 20000)):
+    for rows, n in ((33, 128), (16, 4096), (7, 5120), (3, 16384), (3, 20000)):
         for x_dt, r_dt in (("bfloat16", "bfloat16"), ("bfloat16", "float32")):
             res_dt = "float32" if "float32" in (x_dt, r_dt) else x_dt
             S = jax.ShapeDtypeStruct

@@ -179,8 +179,22 @@ def test_strided_views_read_in_place():
     assert same_bits(xs.grad, xc.grad)
 
 
-@pytest.mark.parametrize("rows, width", [(33, 128), (37, 80), (7, 300), (9, 576), (5, 2560), (2, 9000),
-                                         pytest.param(2, 20000, marks=SLOW), pytest.param(1, 70000, marks=SLOW)])
+def _launch_bwd(plan, inputs, dx, dw, scalars):
+    """The backward plan's launches (stats already run) into dx and dw: the joint kernel and the reduction, or
+    the one program that writes dw itself (`dw_direct`); partials NaN-poisoned."""
+    if plan.dw_direct:
+        assert plan.reduce is None and plan.n_partials == 1 and plan.bwd.grid[0] == 1
+        launch(plan.bwd, *inputs, dx, dw, **scalars)
+        return
+    partial = torch.full((plan.n_partials, dx.shape[-1]), float("nan"), device=dx.device)
+    launch(plan.bwd, *inputs, dx, partial, **scalars)
+    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=dx.shape[-1])
+
+
+# (16, 4096): the host table's shape, one backward program writing dw itself; (17, 4096) past that
+@pytest.mark.parametrize("rows, width", [(33, 128), (37, 80), (7, 300), (9, 576), (5, 2560), (2, 9000), (16, 4096),
+                                         (17, 4096), pytest.param(2, 20000, marks=SLOW),
+                                         pytest.param(1, 70000, marks=SLOW)])
 def test_every_output_element_is_written(rows, width):
     """Launch the plans on NaN-poisoned outputs: a missed element would stay NaN."""
     rng = _rng("poison", width)
@@ -197,10 +211,8 @@ def test_every_output_element_is_written(rows, width):
         launch(plan.stats, *inputs, stats, **scalars)
         inputs.append(stats)
     dx = torch.full_like(x, float("nan"))
-    partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
     dw = torch.full_like(w, float("nan"))
-    launch(plan.bwd, *inputs, dx, partial, **scalars)
-    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
+    _launch_bwd(plan, inputs, dx, dw, scalars)
     ref_dx, ref_dw = torch.ops.xkern.rms_norm_bwd(dy, x, w, EPS)
     assert same_bits(dx, ref_dx) and same_bits(dw, ref_dw)
 
@@ -575,11 +587,9 @@ def test_four_byte_rows_at_513_576_match_the_oracle(dtype, w_dtype, width):
     plan = plan_rms_norm_bwd(rows, width, EPS, itemsize=4)
     assert (plan.bwd.kernel is _rms_norm_bwd_row_kernel) == (512 < width <= 576)
     dx = torch.full_like(x, float("nan"))
-    partial = torch.full((plan.n_partials, width), float("nan"), device=x.device)
     dw = torch.full_like(w, float("nan"))
-    launch(plan.bwd, x, w, dy, dx, partial, n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
-           dx_row_stride=width)
-    launch(plan.reduce, partial, dw, n_partials=plan.n_partials, n_cols=width)
+    _launch_bwd(plan, [x, w, dy], dx, dw, dict(n_rows=rows, n_cols=width, x_row_stride=width, dy_row_stride=width,
+                                               dx_row_stride=width))
     _, torch_dx, torch_dw = _torch_run(*(to_numpy(a) for a in (x, w, dy)), EPS)
     _, jax_dx, jax_dw = _jax_run(*(to_numpy(a) for a in (x, w, dy)), EPS)
     assert same_bits(dx, torch_dx) and same_bits(dw, torch_dw)
@@ -592,8 +602,9 @@ def test_four_byte_rows_at_513_576_match_the_oracle(dtype, w_dtype, width):
 def test_launch_counts():
     """Launches per call at widths from 1 to 70000 (docs/design.md's contract; the plans may change kernel,
     tile or split freely): the forward one; the backward two (the joint backward, then the dw reduction) up
-    to max_bwd_row wide and three above (a statistics pass first); without a weight no reduction; an empty
-    input none. Row and column counts past the kernels' int32 numbering raise, naming x."""
+    to max_bwd_row wide and three above (a statistics pass first), one where a single program covers every
+    row; without a weight no reduction; an empty input none. Row and column counts past the kernels' int32
+    numbering raise, naming x."""
     from xkern.rms_norm import max_bwd_row, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
     def launches(recipe):
@@ -604,6 +615,15 @@ def test_launch_counts():
         assert launches(rms_norm_fwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 1, n
         assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", "bfloat16")) == 2 + stats, n
         assert launches(rms_norm_bwd_recipe(4096, n, EPS, "bfloat16", None, variant="none")) == 1 + stats, n
+    # Few and small tiles: one program writes dw itself, no reduction (BwdPlan.dw_direct); the fused add's
+    # backward alike
+    from xkern.add_rms_norm import add_rms_norm_bwd_recipe
+
+    for rows, cols, one in ((16, 4096, True), (17, 4096, False), (1, 12288, True), (256, 64, True),
+                            (257, 64, False), (1024, 1, False), (2, 20000, False)):
+        assert launches(rms_norm_bwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16")) == 2 - one, (rows, cols)
+        assert launches(add_rms_norm_bwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16", "bfloat16", True)) == \
+            2 - one, (rows, cols)
     for rows, cols in ((0, 64), (8, 0)):
         assert launches(rms_norm_fwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16")) == 0
         assert launches(rms_norm_bwd_recipe(rows, cols, EPS, "bfloat16", "bfloat16")) == 0

@@ -129,6 +129,10 @@ def compile_variants():
             yield from ((step.launch, ptrs) for step in fwd.steps if step.launch is not None)
             ptrs = {"X": pointer[res_dtype], "W": pointer[x_dtype], "DY": pointer[x_dtype], "DRES": pointer[res_dtype],
                     "DX": pointer[res_dtype], "DW_PARTIAL": "*fp32", "DW": pointer[x_dtype], "STATS": "*fp32"}
+            # 16 rows: a backward of one program, writing dw (w's dtype) itself (BwdPlan.dw_direct)
+            direct = {**ptrs, "DW_PARTIAL": pointer[x_dtype]}
             for has_dres in (True, False) if x_dtype != res_dtype else (True,):
-                bwd = add_rms_norm_bwd_recipe(100_000, n_cols, 1e-6, x_dtype, x_dtype, res_dtype, has_dres)
-                yield from ((step.launch, ptrs) for step in bwd.steps if step.launch is not None)
+                for n_rows in (16, 100_000):
+                    bwd = add_rms_norm_bwd_recipe(n_rows, n_cols, 1e-6, x_dtype, x_dtype, res_dtype, has_dres)
+                    yield from ((step.launch, direct if len(bwd.steps) == 1 else ptrs) for step in bwd.steps
+                                if step.launch is not None)

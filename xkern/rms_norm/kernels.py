@@ -460,6 +460,7 @@ def _rms_norm_bwd_tile(
         out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
         tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=cur_mask)
     if VARIANT != NO_WEIGHT:  # no dw
+        # (one program, `BwdPlan.dw_direct`: DW_PARTIAL is dw itself, and the store rounds to its dtype)
         tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc, mask=col_mask)
 
 
@@ -575,7 +576,7 @@ def _rms_norm_bwd_split(
                 dx = _with_dres(dx, dres, DX.dtype.element_ty)
             out = cur_rows.to(tl.int64)[:, None] * dx_row_stride + cols[None, :]
             tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=mask)
-    if VARIANT != NO_WEIGHT:  # no dw
+    if VARIANT != NO_WEIGHT:  # no dw (one program: dw itself, as in _rms_norm_bwd_tile)
         for i in tl.static_range(SPLIT):
             cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(DW_PARTIAL + (batch * num_programs + pid) * n_cols + cols, dw_acc[i], mask=cols < n_cols)

@@ -74,6 +74,12 @@ BWD_ROW_9X64 = (64, 9, 1, 16)
 # the bytes in flight per SM: 4-8 % less time at 512-2048 and 14-18 % at 2560-3072 on the H100, where
 # RMSNorm's own backward (two streams) took 2-3 % more with two (docs/design.md, the rationale).
 BWD_TWO_ROW_MAX = 3072
+# A weighted backward of at most BWD_ONE_PROGRAM_TILES tiles holding at most BWD_ONE_PROGRAM_MAX elements in
+# all (16 x 4096, 256 x 64) runs as one program, which then writes dw itself (rounded to dw's dtype) instead
+# of fp32 partials for a reduce launch: one launch fewer, about 7 us of host time on the H100 where host time
+# is all such a call costs (the program's tiles run one after another: few, so the device keeps up).
+BWD_ONE_PROGRAM_MAX = 65536
+BWD_ONE_PROGRAM_TILES = 16
 
 
 def _bwd_tile(block_n: int) -> tuple[int, int, int, bool]:
@@ -157,12 +163,15 @@ class BwdPlan:
     """The backward's launches, in order. `stats` (rows wider than MAX_BWD_BLOCK only): x, w, dy -> STATS
     [n_batch * n_rows, 2] fp32, which `bwd` then takes as a fourth input. `bwd`: x, w, dy[, stats] -> dx and
     dw partials [n_batch, n_partials, n_cols] fp32. `reduce`: partials -> dw [n_batch, n_cols]. Variant
-    "none": w is not read (pass any pointer, x say), no partials are written and there is no `reduce`."""
+    "none": w is not read (pass any pointer, x say), no partials are written and there is no `reduce`.
+    `dw_direct` (one program, BWD_ONE_PROGRAM_MAX): `bwd` writes dw [n_batch, n_cols] itself, in the dtype of
+    the buffer bound as DW_PARTIAL, and there is no `reduce`."""
 
     stats: Launch | None
     bwd: Launch
-    reduce: Launch | None  # None for variant "none" (no weight, no dw; DW_PARTIAL is not written)
+    reduce: Launch | None  # None for variant "none" (no weight, no dw; DW_PARTIAL is not written) and dw_direct
     n_partials: int
+    dw_direct: bool = False
 
 
 def max_bwd_row(itemsize: int = 2, streams: int = 2) -> int:
@@ -235,10 +244,16 @@ def plan_rms_norm_bwd(n_rows: int, n_cols: int, eps: float, row_strides: tuple[i
         if streams > 2 and block_m == 1 and n_cols <= BWD_TWO_ROW_MAX:
             block_m = 2
         block_m = max(1, min(block_m, next_pow2(n_rows)))
-        groups = max(2, min(cdiv(n_rows, block_m), num_sms * programs_per_sm))
+        tiles = cdiv(n_rows, block_m)
+        # one program over every tile where they are few and small: it writes dw itself (BWD_ONE_PROGRAM_MAX)
+        one = variant != "none" and tiles <= BWD_ONE_PROGRAM_TILES and \
+            tiles * block_m * block_n * split <= BWD_ONE_PROGRAM_MAX
+        groups = 1 if one else max(2, min(tiles, num_sms * programs_per_sm))
         tile = {**row, "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch}
         bwd = (Launch(_rms_norm_bwd_split_kernel, (groups, n_batch), num_warps, {**tile, "SPLIT": split}) if split > 1
                else Launch(_rms_norm_bwd_kernel, (groups, n_batch), num_warps, tile))
+        if one:
+            return BwdPlan(stats, bwd, None, 1, dw_direct=True)
     # At least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into the
     # reduction's binary, and torch's would not.
     reduce = None if variant == "none" else plan_dw_reduce(groups, n_cols, n_batch)

@@ -91,11 +91,15 @@ def rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, w_dt
 
 def bwd_recipe(plan: BwdPlan, stats: Launch | None, bwd: Launch, inputs: tuple[str, ...], extra: tuple[str, ...],
                dx: Buffer, scalars: dict, n_batch: int, n_rows: int, n_cols: int, dw_dtype: str) -> Recipe:
-    """The backward's steps: [stats on `inputs`,] `bwd` on `inputs + extra` [+ stats], the dw reduction."""
+    """The backward's steps: [stats on `inputs`,] `bwd` on `inputs + extra` [+ stats], the dw reduction (none
+    where `bwd` writes dw itself: `plan.dw_direct`)."""
     steps = []
     if stats is not None:
         steps.append(Step(stats, inputs, (Buffer("stats", (n_batch * n_rows, 2), "float32"),), scalars))
     inputs = inputs + extra + (("stats",) if stats is not None else ())
+    if plan.dw_direct:
+        steps.append(Step(bwd, inputs, (dx, Buffer("dw", (n_batch, n_cols), dw_dtype)), scalars))
+        return Recipe(tuple(steps), ("dx", "dw"))
     if plan.reduce is None:  # no weight: the kernel writes no dw partials
         steps.append(Step(bwd, inputs, (dx, Buffer("partial", (1,), "float32")), scalars))
         steps.append(Step(None, (), (Buffer("dw", (n_batch, 0), dw_dtype),)))

@@ -18,10 +18,12 @@ def compile_variants():
     widths += [3, 300, 640, 2052, 5000]  # every ROW_ALIGN; 640: the forward's tile at BLOCK_N 1024
     widths += [80, 96, 576, 768, 2560, 5120, 7168, 9000, 12288, 18432]  # rows in SPLIT blocks (split_row, BWD_ROW_9X64)
     widths += [4608, 16896, 20480, 24576, 28672, max_bwd_row() + 1]  # the backward's wide row kernel, either side
-    cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 100_000)]
+    # 1 and 16 rows: a backward of one program, writing dw itself (BwdPlan.dw_direct) at its own BLOCK_M
+    cases = [(x, w, n, r) for x, w in dtype_pairs for n in widths for r in (1, 16, 100_000)]
     pairs = [(x, w) for x in FLOATS for w in FLOATS]
     cases += [(x, w, n, 100_000) for x, w in pairs for n in (128, 576, 4096, 5120, MAX_BWD_BLOCK + 1, 20480,
                                                               MAX_FWD_BLOCK // 2 + 1, MAX_FWD_BLOCK + 1)]
+    cases += [(x, w, n, 16) for x, w in pairs for n in (128, 4096)]  # one backward program: dw in w's dtype
     cases = [(*case, "llama") for case in cases]
     # The other variants: every kernel (each BLOCK_N once) and every dtype pair, each with its own rounding
     # points; "none" reads x only (W bound to x).
@@ -30,6 +32,7 @@ def compile_variants():
         cases += [("bfloat16", "bfloat16", n, 100_000, variant) for n in variant_widths]
         cases += [(x, w, n, 100_000, variant) for x, w in pairs if variant != "none" or x == w
                   for n in (128, 4096, MAX_BWD_BLOCK + 1, MAX_FWD_BLOCK // 2 + 1)]
+        cases += [("bfloat16", "bfloat16", n, 16, variant) for n in (128, 4096)]
     for x_dtype, w_dtype, n_cols, n_rows, variant in cases:
         y_dtype = out_dtype_name(x_dtype, w_dtype, variant)
         ptrs = {"X": pointer[x_dtype], "W": pointer[w_dtype], "Y": pointer[y_dtype], "DY": pointer[y_dtype],
@@ -42,6 +45,8 @@ def compile_variants():
                        bwd.reduce):
             if launch is not None:
                 yield launch, ptrs
+        if bwd.dw_direct:  # dw in w's dtype, or fp32 (dw_dtype: shards' dw summed before one rounding)
+            yield bwd.bwd, {**ptrs, "DW_PARTIAL": pointer[w_dtype]}
         if n_rows == 100_000 and n_cols in (1, 3, 300, 2052, 4096, 16384):  # the width-sharded kernels (a shard)
             ptrs = {**ptrs, "SUM_SQ": "*fp32", "SUMS": "*fp32"}
             sharded = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, 1e-6)
