@@ -223,6 +223,13 @@ def _gated_rms_norm_fwd_chunked_kernel(
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tile_rows(rows, n_rows, col_mask):
+    # (int64 row indices [BLOCK_M, 1], the tile's mask). No pointers in or out: torch's access analysis
+    # counts a pointer passed through a call as written (then X looks mutated under torch.compile).
+    return rows.to(tl.int64)[:, None], (rows < n_rows)[:, None] & col_mask[None, :]
+
+
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "dy_row_stride",
                                "dx_row_stride"])
 def _gated_rms_norm_bwd_kernel(
@@ -230,10 +237,13 @@ def _gated_rms_norm_bwd_kernel(
     n_rows, group_size, x_row_stride, z_row_stride, dy_row_stride, dx_row_stride,
     DX, DZ, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATE_FIRST: tl.constexpr,
+    SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
 ):
     # Persistent over row blocks of one group (program_id(1)): program p takes blocks p, p + P, ... and keeps
-    # its dw slice in registers; dx and dz are written with dx's row stride (both contiguous).
+    # its dw slice in registers; dx and dz are written with dx's row stride (both contiguous). With PREFETCH
+    # the next block's x, z and dy are loaded before this block's math (register double buffering): each
+    # program keeps a block's loads in flight while it computes, which hides DRAM latency with few programs.
     group_size = 1 if ONE_COL else group_size // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     z_row_stride = z_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -250,14 +260,30 @@ def _gated_rms_norm_bwd_kernel(
     inv_n = _inv(group_size)
     x_ty: tl.constexpr = X.dtype.element_ty
     w_ty: tl.constexpr = W.dtype.element_ty
-    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+    if PREFETCH:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        r64, mask = _tile_rows(rows, n_rows, col_mask)
+        x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+        z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+        dy_next = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0)
+    for tile in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs, num_stages=STAGES):
+        if PREFETCH:
+            cur_rows, cur_r64, cur_mask = rows, r64, mask
+            x = x_next.to(tl.float32)
+            z = z_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            rows = (tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            r64, mask = _tile_rows(rows, n_rows, col_mask)
+            x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+            z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+            dy_next = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0)
+        else:
+            cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            cur_r64, cur_mask = _tile_rows(cur_rows, n_rows, col_mask)
+            x = tl.load(X + cur_r64 * x_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + cur_r64 * z_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + cur_r64 * dy_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+        row_mask = cur_rows < n_rows
         a, s = _bwd_act(z, SIGMOID)
         h = x * a if GATE_FIRST else x
         # a row past the end has rstd 0 (not inf with EPS == 0): it adds nothing to dw
@@ -266,8 +292,8 @@ def _gated_rms_norm_bwd_kernel(
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx, dz = _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
         dw_acc += tl.sum(t, axis=0)
-        tl.store(DX + r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(DZ + r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=mask)
+        tl.store(DX + cur_r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=cur_mask)
+        tl.store(DZ + cur_r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=cur_mask)
     tl.store(DW_PARTIAL + pid.to(tl.int64) * tl.num_programs(1) * group_size + group * group_size + cols, dw_acc,
              mask=col_mask)
 
