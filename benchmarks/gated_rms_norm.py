@@ -208,10 +208,12 @@ SWEEP_SMOKE = [(8, 4, 128)]
 # 8 x 128 tiles, nothing loaded ahead)
 SWEEP_BWD_TILES = [(8, 4, 4, False, 1), (8, 4, 4, True, 1), (8, 4, 6, True, 1), (8, 4, 4, False, 2),
                    (8, 4, 3, False, 3), (8, 4, 4, False, 3), (16, 4, 3, True, 1), (16, 4, 2, True, 1),
-                   (16, 4, 3, False, 2), (16, 2, 4, True, 1), (8, 2, 6, True, 1), (8, 2, 8, True, 1),
-                   (32, 4, 2, True, 1), (4, 2, 16, True, 1), (4, 1, 16, True, 1)]
-# (BLOCK_M, num_warps); the first: the plan's rule
-SWEEP_FWD_TILES = [(16, 4), (16, 2), (8, 2), (8, 1), (32, 4), (32, 8), (64, 8)]
+                   (16, 4, 2, False, 2), (16, 2, 4, True, 1), (8, 2, 6, True, 1), (32, 4, 2, True, 1),
+                   (4, 2, 12, True, 1), (4, 1, 12, True, 1)]
+# (BLOCK_M, num_warps, programs per SM: 0 for a program a tile, else persistent, loading the next tile ahead);
+# the first: the plan's rule
+SWEEP_FWD_TILES = [(16, 4, 0), (16, 2, 0), (8, 2, 0), (8, 1, 0), (4, 1, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0),
+                   (16, 4, 4), (8, 2, 8), (16, 2, 4), (32, 4, 2), (32, 8, 2), (8, 1, 8)]
 SM_REGISTERS = 64 * 1024  # a register file, sm_80 to sm_120
 
 
@@ -267,8 +269,10 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
                   "dx": torch.empty_like(x), "dz": torch.empty_like(x), "dw": torch.empty_like(w)}
         scalars = dict(n_rows=m, group_size=n, x_row_stride=n, z_row_stride=n, dy_row_stride=n, dx_row_stride=n,
                        y_row_stride=n, n_cols=n)
-        work = [("bwd", t) for t in SWEEP_BWD_TILES[:2 if smoke else None]]
-        work += [("fwd", t) for t in SWEEP_FWD_TILES[:2 if smoke else None]]
+        work = [("bwd", t) for t in SWEEP_BWD_TILES]
+        work += [("fwd", t) for t in SWEEP_FWD_TILES]
+        if smoke:  # the rules' tiles and the last candidates (pipelined, persistent) of each pass
+            work = [work[0], work[1], work[len(SWEEP_BWD_TILES) - 1], work[len(SWEEP_BWD_TILES)], work[-1]]
         for pass_, tile in work:
             if pass_ == "bwd":
                 plan = plan_gated_rms_norm_bwd(m, n, n, EPS, **opts, tile=tile)
@@ -297,7 +301,7 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
             rows.append(row)
             placed = ""
             if resident:
-                wave = " (SECOND WAVE)" if pass_ == "bwd" and resident[2] < tile[2] else ""
+                wave = " (SECOND WAVE)" if resident[2] < tile[2] else ""
                 placed = f"  regs {resident[0]:3d} spill {resident[1]} resident/SM {resident[2]}{wave}"
                 row.update(regs=resident[0], spill_bytes=resident[1], resident_per_sm=resident[2])
             say(f"{row['label']:22s} {pass_} {str(tile):24s} {us:8.1f} us  {row['ceiling_frac']:.3f} of ceiling"
@@ -327,35 +331,29 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc)
     ceiling = timing.copy_ceiling()
     mode = "smoke" if smoke else ("quick" if args.quick else "main")
+    results = {"gpu": name, "date": stamp.strftime("%Y-%m-%d"), "started_utc": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "commit": commit(), "xkern_sha": kernels_sha(), "mode": "sweep" if args.sweep else mode,
+               "smoke": smoke, "ceiling": ceiling}
     if args.sweep:
         rows = sweep(smoke, ceiling["gbps"], lambda msg: print(msg, flush=True))
-        results = {"gpu": name, "started_utc": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": commit(),
-                   "smoke": smoke, "ceiling": ceiling, "sweep": rows}
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, f"{gpu_kind(name)}-gated_rms_norm-sweep{'-smoke' if smoke else ''}.json")
-            with open(path, "w") as f:
-                json.dump(results, f, indent=1, default=str)
-            print("wrote", path)
-        return 0 if all(r.get("status") == "ok" for r in rows) else 1
-    rows = []
-    for case in cases(mode):
-        rows += run_case(OP, case, device, ceiling["gbps"], lambda msg: print(msg, flush=True))
-    for row in rows:
-        us = row.get("us")
-        print(f"{row.get('label', '')}: {row['pass']:8s} {row['impl']:16s} "
-              f"{'-' if us is None else f'{us:9.1f} us'}  {row.get('status', '')}", flush=True)
-    results = {"gpu": name, "date": stamp.strftime("%Y-%m-%d"), "started_utc": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "commit": commit(), "xkern_sha": kernels_sha(), "mode": mode, "smoke": smoke, "ceiling": ceiling,
-               "results": rows}
+        ok = all(r.get("status") == "ok" for r in rows)
+    else:
+        rows = []
+        for case in cases(mode):
+            rows += run_case(OP, case, device, ceiling["gbps"], lambda msg: print(msg, flush=True))
+        for row in rows:
+            us = row.get("us")
+            print(f"{row.get('label', '')}: {row['pass']:8s} {row['impl']:16s} "
+                  f"{'-' if us is None else f'{us:9.1f} us'}  {row.get('status', '')}", flush=True)
+        ok = all(r.get("check", "pass") == "pass" or not r["impl"].startswith("xkern") for r in rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{gpu_kind(name)}-gated_rms_norm{'-smoke' if smoke else ''}.json")
+        stem = f"{gpu_kind(name)}-gated_rms_norm{'-sweep' if args.sweep else ''}{'-smoke' if smoke else ''}"
+        path = os.path.join(args.out, f"{stem}.json")
         with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+            json.dump({**results, "results": rows}, f, indent=1, default=str)
         print("wrote", path)
-    return 0 if all(r.get("check", "pass") == "pass" or not r["impl"].startswith("xkern") for r in rows) else 1
-
+    return 0 if ok else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ from helpers import rand, same_bits, to_numpy, to_torch
 
 from xkern import device
 from xkern import reference as R
-from xkern.gated_rms_norm import FAMILIES, plan_gated_rms_norm_bwd
+from xkern.gated_rms_norm import FAMILIES, plan_gated_rms_norm_bwd, plan_gated_rms_norm_fwd
 from xkern.testing import launch
 
 EPS = 1e-6
@@ -70,13 +70,37 @@ def test_schedules_against_oracle_and_each_other(family, width, group_size):
         assert all(same_bits(a, b) for a, b in zip(first, (dx, dz, dw))), tile
 
 
+@pytest.mark.parametrize("family", ["norm-llama-then-gate", "gate-then-fp32-group-norm"])
+def test_persistent_forward(family):
+    """The forward's persistent schedule (4 programs over 10 tiles, the next loaded ahead): the oracle, and the
+    bits of a program a tile."""
+    norm_before_gate, activation, rounding = FAMILIES[family]
+    rng = np.random.default_rng(zlib.crc32(repr(("fwd", family)).encode()))
+    x, z = rand(rng, (37, 128), "bfloat16"), rand(rng, (37, 128), "bfloat16", scale=2.0)
+    w = rand(rng, (128,), "bfloat16", scale=0.3, offset=1.0)
+    opts = dict(norm_before_gate=norm_before_gate, activation=activation, rounding=rounding)
+    ys = []
+    for tile in ((4, 2, 0), (4, 2, 2)):
+        with device.target(TWO_SMS):
+            plan = plan_gated_rms_norm_fwd(37, 128, 128, EPS, **opts, tile=tile)
+        assert plan.grid == ((10, 1) if tile[2] == 0 else (4, 1)) and plan.constexprs["PERSISTENT"] == (tile[2] > 0)
+        xt, zt, wt = (to_torch(a) for a in (x, z, w))
+        y = torch.full_like(xt, float("nan"))
+        launch(plan, xt, zt, wt, y, n_rows=37, group_size=128, x_row_stride=128, z_row_stride=128, y_row_stride=128)
+        ys.append(to_numpy(y))
+        R.check(ys[-1], R.gated_rms_norm_fwd(x, z, w, EPS, 128, **opts), "fwd",
+                R.gated_rms_norm_fwd_tol(x, z, w, EPS, 128, **opts))
+    assert same_bits(ys[0], ys[1])
+
+
 def test_plan_takes_prefetching_tile_at_head_width():
     plan = plan_gated_rms_norm_bwd(262144, 128, 128, EPS)
     consts = plan.bwd.constexprs
     assert (consts["BLOCK_M"], plan.bwd.num_warps, consts["PREFETCH"]) == (8, 4, True)
     assert plan.bwd.grid == (4 * device.properties().num_sms, 1)
-    # other widths keep the tile without loads ahead
+    # other widths keep the tile without loads ahead; the forward, a program a tile
     assert not plan_gated_rms_norm_bwd(4096, 256, 256, EPS).bwd.constexprs["PREFETCH"]
+    assert not plan_gated_rms_norm_fwd(262144, 128, 128, EPS).constexprs["PERSISTENT"]
 
 
 @pytest.mark.sm90_static
@@ -89,7 +113,7 @@ def test_head_width_tile_keeps_every_program_resident():
 import re
 import triton
 from xkern import compile_check, device
-from xkern.gated_rms_norm import FAMILIES, plan_gated_rms_norm_bwd
+from xkern.gated_rms_norm import FAMILIES, plan_gated_rms_norm_bwd, plan_gated_rms_norm_fwd
 from xkern.gated_rms_norm.plans import bwd_tile
 from xkern.launch import POINTER_TYPES
 per_sm = bwd_tile(128)[2]

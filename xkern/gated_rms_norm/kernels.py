@@ -146,34 +146,79 @@ def _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST: tl.constexpr, 
     return dx, _act_grad(z, da, s, SIGMOID)
 
 
+@triton.jit
+def _tile_rows(rows, n_rows, col_mask):
+    # (int64 row indices [BLOCK_M, 1], the tile's mask). No pointers in or out: torch's access analysis
+    # counts a pointer passed through a call as written (then X looks mutated under torch.compile).
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    return rows.to(tl.int64)[:, None], mask
+
+
+@triton.jit
+def _act_rstd(x, z, group_size, EPS: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr):
+    # (h, rstd [BLOCK_M, 1], a = act(z)) of a tile of whole groups from x and z (fp32)
+    a = _act(z, SIGMOID)
+    h = x * a if GATE_FIRST else x
+    return h, tl.rsqrt(tl.sum(h * h, axis=1) * _inv(group_size) + EPS)[:, None], a
+
+
+@triton.jit
+def _gated_y(n, a, w, GATE_FIRST: tl.constexpr, FP32_W: tl.constexpr, X_TY: tl.constexpr, W_TY: tl.constexpr):
+    # y (fp32) from normed, a and w
+    y = _weighted(n, w, X_TY, W_TY, FP32_W)
+    if not GATE_FIRST:
+        y = y * a
+    return y
+
+
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "y_row_stride"])
 def _gated_rms_norm_fwd_kernel(
     X, Z, W,
     n_rows, group_size, x_row_stride, z_row_stride, y_row_stride,
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr,
+    FP32_W: tl.constexpr,
 ):
+    # One tile of BLOCK_M rows of group program_id(1) a program; PERSISTENT: program p takes tiles p, p + P, ...,
+    # loading the next tile's x and z before this tile's math, as the backward's PREFETCH.
     # alignment from the plan, visible to the compiler; a group of 1 folded in, as jax-triton folds it
     group_size = 1 if ONE_COL else group_size // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     z_row_stride = z_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < group_size
     gcols = (tl.program_id(1) * group_size + cols)[None, :]
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
-    x = tl.load(X + rows * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-    a = _act(tl.load(Z + rows * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32), SIGMOID)
-    h = x * a if GATE_FIRST else x
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) * _inv(group_size) + EPS)
-    w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
-    y = _weighted(h * rstd[:, None], w, X.dtype.element_ty, W.dtype.element_ty, FP32_W)
-    if not GATE_FIRST:
-        y = y * a
-    tl.store(Y + rows * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=mask)
+    x_ty: tl.constexpr = X.dtype.element_ty
+    w_ty: tl.constexpr = W.dtype.element_ty
+    if PERSISTENT:
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        r64, mask = _tile_rows(pid * BLOCK_M + tl.arange(0, BLOCK_M), n_rows, col_mask)
+        x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+        z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+        for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
+            cur_r64, cur_mask = r64, mask
+            x = x_next.to(tl.float32)
+            z = z_next.to(tl.float32)
+            r64, mask = _tile_rows((tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M), n_rows, col_mask)
+            x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+            z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+            h, rstd, a = _act_rstd(x, z, group_size, EPS, GATE_FIRST, SIGMOID)
+            y = _gated_y(h * rstd, a, w, GATE_FIRST, FP32_W, x_ty, w_ty)
+            tl.store(Y + cur_r64 * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=cur_mask)
+    else:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        x = tl.load(X + rows * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + rows * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+        h, rstd, a = _act_rstd(x, z, group_size, EPS, GATE_FIRST, SIGMOID)
+        w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        y = _gated_y(h * rstd, a, w, GATE_FIRST, FP32_W, x_ty, w_ty)
+        tl.store(Y + rows * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -221,13 +266,6 @@ def _gated_rms_norm_fwd_chunked_kernel(
         if not GATE_FIRST:
             y = y * a
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _tile_rows(rows, n_rows, col_mask):
-    # (int64 row indices [BLOCK_M, 1], the tile's mask). No pointers in or out: torch's access analysis
-    # counts a pointer passed through a call as written (then X looks mutated under torch.compile).
-    return rows.to(tl.int64)[:, None], (rows < n_rows)[:, None] & col_mask[None, :]
 
 
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "dy_row_stride",

@@ -2,7 +2,8 @@
 
 Fixed rules from shapes and element sizes (no autotuning), one sentence per regime:
 - forward, groups up to MAX_FWD_BLOCK wide: tiles of whole groups, FWD_TILE_ELEMS elements (several rows of
-  a narrow group: 16 x 128 for the head width of Qwen3-Next), 16 elements per thread per stream;
+  a narrow group: 16 x 128 for the head width of Qwen3-Next), 16 elements per thread per stream, a program a
+  tile (the kernel's PERSISTENT schedule, a program per several tiles, is a candidate of the benchmark's sweep);
 - forward, wider groups: one program per (row, group), summing over column chunks, then re-reading the group;
 - backward, narrow groups (BWD_NARROW_TILES: the head width 128): persistent tiles of many rows, each program
   loading its next tile before this tile's math, keeping its dw slice in registers;
@@ -69,10 +70,11 @@ def _warps(elems: int) -> int:
 def plan_gated_rms_norm_fwd(n_rows: int, n_cols: int, group_size: int, eps: float,
                             row_strides: tuple[int, ...] = (), norm_before_gate: bool = True,
                             activation: str = "silu", rounding: str = "llama",
-                            tile: tuple[int, int] | None = None) -> Launch:
+                            tile: tuple[int, int, int] | None = None) -> Launch:
     """The forward's launch for x [n_rows, n_cols] in groups of `group_size` columns; `row_strides`: x's, z's
-    and y's (default contiguous). `tile`: (BLOCK_M, num_warps) for groups up to MAX_FWD_BLOCK wide (default:
-    FWD_TILE_ELEMS elements, 16 a thread; the benchmark's sweep passes candidates)."""
+    and y's (default contiguous). `tile`: (BLOCK_M, num_warps, programs per SM: 0 for a program a tile) for
+    groups up to MAX_FWD_BLOCK wide (default: FWD_TILE_ELEMS elements, 16 a thread, a program a tile; the
+    benchmark's sweep passes candidates, persistent ones among them)."""
     check_row_count("x", n_rows)
     check_row_count("x", n_cols, "columns")
     fixed = _fixed(n_cols, group_size, row_strides, eps, norm_before_gate, activation, rounding)
@@ -81,10 +83,13 @@ def plan_gated_rms_norm_fwd(n_rows: int, n_cols: int, group_size: int, eps: floa
         return Launch(_gated_rms_norm_fwd_chunked_kernel, (n_rows, n_groups), 8, {**fixed, "BLOCK_N": FWD_CHUNK})
     block_n = next_pow2(group_size)
     elems = max(block_n, FWD_TILE_ELEMS)
-    block_m, num_warps = tile or (elems // block_n, _warps(elems))
+    block_m, num_warps, per_sm = tile or (elems // block_n, _warps(elems), 0)
     block_m = max(1, min(block_m, next_pow2(n_rows)))
-    return Launch(_gated_rms_norm_fwd_kernel, (cdiv(n_rows, block_m), n_groups), num_warps,
-                  {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n})
+    programs = cdiv(n_rows, block_m)
+    if per_sm:
+        programs = max(1, min(programs, properties().num_sms * per_sm // n_groups))
+    return Launch(_gated_rms_norm_fwd_kernel, (programs, n_groups), num_warps,
+                  {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n, "PERSISTENT": per_sm > 0})
 
 
 @dataclasses.dataclass(frozen=True)
