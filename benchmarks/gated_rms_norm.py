@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks.runner import Case, Inputs, Op, run_case, sample_rows
 from xkern import reference as R
 from xkern.gated_rms_norm import FAMILIES
+from xkern.gated_rms_norm.plans import BwdTile
 from xkern.testing import to_numpy, torch_dtype
 
 EPS = 1e-6
@@ -204,12 +205,13 @@ OP = Op("gated_rms_norm", cases, make, check, min_bytes, torch_impls, jax_impls,
 
 SWEEP_SHAPES = [(8192, 32, 128), (32768, 32, 128)]
 SWEEP_SMOKE = [(8, 4, 128)]
-# (BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES); the first: the schedule before PREFETCH (4 per SM of
-# 8 x 128 tiles, nothing loaded ahead)
-SWEEP_BWD_TILES = [(8, 4, 4, False, 1), (8, 4, 4, True, 1), (8, 4, 6, True, 1), (8, 4, 4, False, 2),
-                   (8, 4, 3, False, 3), (8, 4, 4, False, 3), (16, 4, 3, True, 1), (16, 4, 2, True, 1),
-                   (16, 4, 2, False, 2), (16, 2, 4, True, 1), (8, 2, 6, True, 1), (32, 4, 2, True, 1),
-                   (4, 2, 12, True, 1), (4, 1, 12, True, 1)]
+# BwdTile(BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES, DW_TILE); the first: the schedule before
+# PREFETCH and DW_TILE (4 per SM of 8 x 128 tiles, nothing loaded ahead, dw summed over rows a block)
+SWEEP_BWD_TILES = [BwdTile(*t) for t in (
+    (8, 4, 4, False, 1, False), (8, 4, 4, True, 1, False), (8, 4, 4, False, 1, True), (8, 4, 4, True, 1, True),
+    (8, 4, 5, True, 1, True), (8, 4, 4, False, 2, True), (8, 4, 3, False, 3, True), (8, 4, 4, False, 3, True),
+    (16, 4, 3, True, 1, True), (16, 4, 2, True, 1, True), (16, 4, 2, False, 2, False), (16, 2, 4, True, 1, False),
+    (8, 2, 6, True, 1, True), (32, 4, 2, True, 1, False), (4, 2, 10, True, 1, True), (4, 1, 12, True, 1, True))]
 # (BLOCK_M, num_warps, programs per SM: 0 for a program a tile, else persistent, loading the next tile ahead);
 # the first: the plan's rule
 SWEEP_FWD_TILES = [(16, 4, 0), (16, 2, 0), (8, 2, 0), (8, 1, 0), (4, 1, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0),
@@ -286,7 +288,7 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
             for name in outs:
                 arrays[name].fill_(float("nan"))
             row = {"label": case.info["label"], "shape": list(shape), "pass": pass_, "tile": list(tile),
-                   "default": tile == (bwd_tile(n) if pass_ == "bwd" else SWEEP_FWD_TILES[0])}
+                   "default": tuple(tile) == tuple(bwd_tile(n) if pass_ == "bwd" else SWEEP_FWD_TILES[0])}
             try:
                 us, resident = _timed(launches, arrays, scalars, smoke)
                 _, failed = check(case, inputs.ref, {k: arrays[k].view(m, n) if k != "dw" else arrays[k]
@@ -304,7 +306,7 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
                 wave = " (SECOND WAVE)" if resident[2] < tile[2] else ""
                 placed = f"  regs {resident[0]:3d} spill {resident[1]} resident/SM {resident[2]}{wave}"
                 row.update(regs=resident[0], spill_bytes=resident[1], resident_per_sm=resident[2])
-            say(f"{row['label']:22s} {pass_} {str(tile):24s} {us:8.1f} us  {row['ceiling_frac']:.3f} of ceiling"
+            say(f"{row['label']:22s} {pass_} {str(tuple(tile)):30s} {us:8.1f} us  {row['ceiling_frac']:.3f} of ceiling"
                 f"{'  (default)' if row['default'] else ''}{placed}  {row['check']}")
     return rows
 

@@ -1,7 +1,8 @@
-"""Gated RMSNorm's persistent backward under its schedules (`plan_gated_rms_norm_bwd(tile=)`: rows per tile,
-programs per SM, the next tile loaded ahead or not, Triton's loop pipelining): the FP64 oracle on NaN-poisoned
-outputs with several tiles per program and a partial last tile, the same bits from every schedule of one tile
-shape, and the plan's head-width tile within sm_90's registers with every program resident."""
+"""Gated RMSNorm's persistent schedules (`plan_gated_rms_norm_bwd(tile=)`: rows per tile, programs per SM, the
+next tile loaded ahead or not, Triton's loop pipelining, dw summed over rows a tile or at the end; the forward's
+persistent schedule): the FP64 oracle on NaN-filled outputs with several tiles per program and a partial last
+tile, the same bits from every schedule of one tile shape (dw: of one summation order), and the plan's
+head-width tile within sm_90's registers with every program resident."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from helpers import rand, same_bits, to_numpy, to_torch
 from xkern import device
 from xkern import reference as R
 from xkern.gated_rms_norm import FAMILIES, plan_gated_rms_norm_bwd, plan_gated_rms_norm_fwd
+from xkern.gated_rms_norm.plans import BwdTile
 from xkern.testing import launch
 
 EPS = 1e-6
@@ -44,8 +46,10 @@ def _backward(x, z, w, dy, group_size, family, tile):
     return plan, to_numpy(dx), to_numpy(dz), to_numpy(dw)
 
 
-# (BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES): 4 programs over 10 tiles of 4 rows (the last of 1)
-SCHEDULES = [(4, 2, 2, False, 1), (4, 2, 2, True, 1), (4, 2, 2, False, 3), (4, 2, 2, True, 2)]
+# 4 programs over 10 tiles of 4 rows (the last of 1)
+SCHEDULES = [BwdTile(4, 2, 2), BwdTile(4, 2, 2, prefetch=True), BwdTile(4, 2, 2, stages=3),
+             BwdTile(4, 2, 2, dw_tile=True), BwdTile(4, 2, 2, prefetch=True, dw_tile=True),
+             BwdTile(4, 2, 2, stages=2, dw_tile=True)]
 
 
 @pytest.mark.parametrize("family,width,group_size", [("norm-llama-then-gate", 128, 128),
@@ -57,17 +61,19 @@ def test_schedules_against_oracle_and_each_other(family, width, group_size):
     norm_before_gate, activation, rounding = FAMILIES[family]
     ref_dx, ref_dz, ref_dw, dw_tol = R.gated_rms_norm_bwd(x, z, w, dy, EPS, group_size, norm_before_gate, activation,
                                                           rounding)
-    first = None
+    first = {}
     for tile in SCHEDULES:
         plan, dx, dz, dw = _backward(x, z, w, dy, group_size, family, tile)
         assert plan.bwd.grid == (4 // (width // group_size), width // group_size)
-        assert plan.bwd.constexprs["PREFETCH"] == tile[3] and plan.bwd.constexprs["STAGES"] == tile[4]
+        consts = plan.bwd.constexprs
+        assert (consts["PREFETCH"], consts["STAGES"], consts["DW_TILE"]) == (tile.prefetch, tile.stages, tile.dw_tile)
         R.check(dx, ref_dx, "dx")
         R.check(dz, ref_dz, "dx")
         R.check(dw, ref_dw, "dw", dw_tol)
-        # the schedule moves loads, not arithmetic: one tile shape and grid, one result
-        first = first or (dx, dz, dw)
-        assert all(same_bits(a, b) for a, b in zip(first, (dx, dz, dw))), tile
+        # the schedule moves loads, not arithmetic: one tile shape and grid, one result (dw: one per order)
+        seen = first.setdefault(tile.dw_tile, (dx, dz, dw))
+        assert all(same_bits(a, b) for a, b in zip(seen, (dx, dz, dw))), tile
+        assert same_bits(first[False][0], dx) and same_bits(first[False][1], dz), tile
 
 
 @pytest.mark.parametrize("family", ["norm-llama-then-gate", "gate-then-fp32-group-norm"])
@@ -96,10 +102,10 @@ def test_persistent_forward(family):
 def test_plan_takes_prefetching_tile_at_head_width():
     plan = plan_gated_rms_norm_bwd(262144, 128, 128, EPS)
     consts = plan.bwd.constexprs
-    assert (consts["BLOCK_M"], plan.bwd.num_warps, consts["PREFETCH"]) == (8, 4, True)
+    assert (consts["BLOCK_M"], plan.bwd.num_warps, consts["PREFETCH"], consts["DW_TILE"]) == (8, 4, True, True)
     assert plan.bwd.grid == (4 * device.properties().num_sms, 1)
     # other widths keep the tile without loads ahead; the forward, a program a tile
-    assert not plan_gated_rms_norm_bwd(4096, 256, 256, EPS).bwd.constexprs["PREFETCH"]
+    assert not any(plan_gated_rms_norm_bwd(4096, 256, 256, EPS).bwd.constexprs[k] for k in ("PREFETCH", "DW_TILE"))
     assert not plan_gated_rms_norm_fwd(262144, 128, 128, EPS).constexprs["PERSISTENT"]
 
 

@@ -275,13 +275,16 @@ def _gated_rms_norm_bwd_kernel(
     n_rows, group_size, x_row_stride, z_row_stride, dy_row_stride, dx_row_stride,
     DX, DZ, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATE_FIRST: tl.constexpr,
-    SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DW_TILE: tl.constexpr,
+    GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
 ):
     # Persistent over row blocks of one group (program_id(1)): program p takes blocks p, p + P, ... and keeps
     # its dw slice in registers; dx and dz are written with dx's row stride (both contiguous). With PREFETCH
     # the next block's x, z and dy are loaded before this block's math (register double buffering): each
     # program keeps a block's loads in flight while it computes, which hides DRAM latency with few programs.
+    # STAGES > 1: Triton's pipelining of the loop instead (cp.async, STAGES - 1 blocks ahead). DW_TILE: the dw
+    # terms summed per (row of the block, column) over the blocks, and over the rows once at the end: no sum
+    # across warps (shared memory, a barrier) a block; a fixed order still, another than row sums a block.
     group_size = 1 if ONE_COL else group_size // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     z_row_stride = z_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -294,7 +297,7 @@ def _gated_rms_norm_bwd_kernel(
     col_mask = cols < group_size
     gcols = (group * group_size + cols)[None, :]
     w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N] if DW_TILE else [BLOCK_N], tl.float32)
     inv_n = _inv(group_size)
     x_ty: tl.constexpr = X.dtype.element_ty
     w_ty: tl.constexpr = W.dtype.element_ty
@@ -329,9 +332,14 @@ def _gated_rms_norm_bwd_kernel(
         n, g, t, da = _normed_grads(x, a, dy, w, rstd, GATE_FIRST, FP32_W, x_ty, w_ty)
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx, dz = _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
-        dw_acc += tl.sum(t, axis=0)
+        if DW_TILE:
+            dw_acc += t
+        else:
+            dw_acc += tl.sum(t, axis=0)
         tl.store(DX + cur_r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=cur_mask)
         tl.store(DZ + cur_r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=cur_mask)
+    if DW_TILE:
+        dw_acc = tl.sum(dw_acc, axis=0)
     tl.store(DW_PARTIAL + pid.to(tl.int64) * tl.num_programs(1) * group_size + group * group_size + cols, dw_acc,
              mask=col_mask)
 

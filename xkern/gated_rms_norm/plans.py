@@ -19,6 +19,7 @@ These are first rules, not yet swept on a GPU (benchmarks/gated_rms_norm.py time
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from xkern.device import properties
 from xkern.gated_rms_norm.kernels import (
@@ -41,13 +42,26 @@ BWD_TILE_ELEMS = 1024   # elements of a backward tile of groups narrower than 10
 # resident at once (no second wave). 8192 wide: 16 warps at 16 elements per thread (128 registers, the most
 # 512 threads may hold), one program per SM.
 BWD_WARPS_PER_SM = 16
-# Narrow groups by BLOCK_N: (BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES). At the head width 128: the
-# tile above (8 x 128, 4 warps, 4 per SM), each program loading its next tile's x, z and dy into registers
-# before this tile's math, so that loads stay in flight while it computes (RMSNorm's narrow schedule). Every
-# family and dtype keeps every program resident: at most 127 registers (ptxas, sm_90), 4 x 4 x 128 x 32 = 64K.
-# STAGES > 1: Triton's software pipelining of the tile loop (cp.async into shared memory, STAGES - 1 tiles
-# ahead), a candidate of the benchmark's sweep.
-BWD_NARROW_TILES = {128: (8, 4, 4, True, 1)}
+
+
+class BwdTile(NamedTuple):
+    """The persistent backward's schedule: `block_m` rows a block, `num_warps`, `per_sm` programs per SM (all
+    resident at once), the kernel's PREFETCH, STAGES and DW_TILE (kernels.py says what each does)."""
+
+    block_m: int
+    num_warps: int
+    per_sm: int
+    prefetch: bool = False
+    stages: int = 1
+    dw_tile: bool = False
+
+
+# Narrow groups by BLOCK_N. At the head width 128: the tile above (8 x 128, 4 warps, 4 per SM), each program
+# loading its next block's x, z and dy into registers before this block's math, so that loads stay in flight
+# while it computes (RMSNorm's narrow schedule), and summing its dw terms across rows once, at the end, not
+# each block (no barrier a block). Every family and dtype keeps every program resident: at most 128 registers
+# (ptxas, sm_90; the test), 4 x 4 x 128 x 32 = 64K. The benchmark's sweep times the candidates.
+BWD_NARROW_TILES = {128: BwdTile(8, 4, 4, prefetch=True, dw_tile=True)}
 STATS_CHUNK = 4096      # column chunk of the wide backward's statistics pass
 COLS_TILE = (4, 1024, 4)  # the wide backward's column split: BLOCK_M, BLOCK_N, num_warps
 COLS_PROGRAMS_PER_SM = 4
@@ -104,23 +118,22 @@ class GatedBwdPlan:
     n_partials: int
 
 
-def bwd_tile(block_n: int) -> tuple[int, int, int, bool, int]:
-    """The persistent backward's tile for groups of `block_n` (a power of two up to MAX_BWD_BLOCK) columns:
-    (BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES)."""
+def bwd_tile(block_n: int) -> BwdTile:
+    """The persistent backward's schedule for groups of `block_n` (a power of two up to MAX_BWD_BLOCK) columns."""
     if block_n in BWD_NARROW_TILES:
         return BWD_NARROW_TILES[block_n]
     elems = max(block_n, BWD_TILE_ELEMS)
     num_warps = min(BWD_WARPS_PER_SM, max(1, elems // 256))
-    return elems // block_n, num_warps, BWD_WARPS_PER_SM // num_warps, False, 1
+    return BwdTile(elems // block_n, num_warps, BWD_WARPS_PER_SM // num_warps)
 
 
 def plan_gated_rms_norm_bwd(n_rows: int, n_cols: int, group_size: int, eps: float,
                             row_strides: tuple[int, ...] = (), norm_before_gate: bool = True,
                             activation: str = "silu", rounding: str = "llama",
-                            tile: tuple[int, int, int, bool, int] | None = None) -> GatedBwdPlan:
+                            tile: BwdTile | None = None) -> GatedBwdPlan:
     """The joint backward and the dw reduction; `row_strides`: x's, z's, dy's and dx's (default contiguous).
-    `tile`: the persistent backward's (BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES) for groups up to
-    MAX_BWD_BLOCK wide (default `bwd_tile`, the rule; the benchmark's sweep passes candidates)."""
+    `tile`: the persistent backward's schedule for groups up to MAX_BWD_BLOCK wide (default `bwd_tile`, the
+    rule; the benchmark's sweep passes candidates)."""
     check_row_count("x", n_rows)
     check_row_count("x", n_cols, "columns")
     fixed = _fixed(n_cols, group_size, row_strides, eps, norm_before_gate, activation, rounding)
@@ -137,11 +150,12 @@ def plan_gated_rms_norm_bwd(n_rows: int, n_cols: int, group_size: int, eps: floa
                      {**cols, "BLOCK_M": block_m, "BLOCK_N": block_n})
     else:
         block_n = next_pow2(group_size)
-        block_m, num_warps, per_sm, prefetch, stages = tile or bwd_tile(block_n)
-        block_m = max(1, min(block_m, next_pow2(n_rows)))
+        tile = BwdTile(*(tile or bwd_tile(block_n)))
+        block_m = max(1, min(tile.block_m, next_pow2(n_rows)))
         # at least 2 partials (a spare program stores zeros): jax-triton would fold an n_partials of 1 into
         # the reduction's binary, and torch's would not
-        parts = max(2, min(cdiv(n_rows, block_m), properties().num_sms * per_sm // n_groups))
-        bwd = Launch(_gated_rms_norm_bwd_kernel, (parts, n_groups), num_warps,
-                     {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": prefetch, "STAGES": stages})
+        parts = max(2, min(cdiv(n_rows, block_m), properties().num_sms * tile.per_sm // n_groups))
+        bwd = Launch(_gated_rms_norm_bwd_kernel, (parts, n_groups), tile.num_warps,
+                     {**fixed, "BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": tile.prefetch,
+                      "STAGES": tile.stages, "DW_TILE": tile.dw_tile})
     return GatedBwdPlan(stats, bwd, plan_dw_reduce(parts, n_cols), parts)
