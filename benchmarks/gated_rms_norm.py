@@ -273,8 +273,8 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
                        y_row_stride=n, n_cols=n)
         work = [("bwd", t) for t in SWEEP_BWD_TILES]
         work += [("fwd", t) for t in SWEEP_FWD_TILES]
-        if smoke:  # the rules' tiles and the last candidates (pipelined, persistent) of each pass
-            work = [work[0], work[1], work[len(SWEEP_BWD_TILES) - 1], work[len(SWEEP_BWD_TILES)], work[-1]]
+        if smoke:  # the before schedule, the rules' tiles, a pipelined and a persistent candidate
+            work = [work[i] for i in (0, 3, 7, len(SWEEP_BWD_TILES), -1)]
         for pass_, tile in work:
             if pass_ == "bwd":
                 plan = plan_gated_rms_norm_bwd(m, n, n, EPS, **opts, tile=tile)
@@ -308,6 +308,14 @@ def sweep(smoke: bool, gbps: float, say) -> list[dict]:
                 row.update(regs=resident[0], spill_bytes=resident[1], resident_per_sm=resident[2])
             say(f"{row['label']:22s} {pass_} {str(tuple(tile)):30s} {us:8.1f} us  {row['ceiling_frac']:.3f} of ceiling"
                 f"{'  (default)' if row['default'] else ''}{placed}  {row['check']}")
+    for label in dict.fromkeys(r["label"] for r in rows):
+        for pass_ in ("bwd", "fwd"):
+            ok = [r for r in rows if r["label"] == label and r["pass"] == pass_ and r.get("status") == "ok"]
+            if ok:
+                best = min(ok, key=lambda r: r["us"])
+                default = ", ".join(f"default {r['us']:.1f} us" for r in ok if r["default"])
+                say(f"best {label} {pass_}: {tuple(best['tile'])} {best['us']:.1f} us ({best['ceiling_frac']:.3f} of "
+                    f"ceiling); {default or 'default not run'}")
     return rows
 
 

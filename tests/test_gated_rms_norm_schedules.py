@@ -145,3 +145,20 @@ print("resident")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)},
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and "resident" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_benchmark_sweep_smoke(tmp_path):
+    """`benchmarks.gated_rms_norm --sweep` at its smoke size: the candidates it runs pass the oracle, the rules'
+    schedules among them; the JSON is written."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gated_rms_norm", "--sweep", "--smoke", "--out",
+                          str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (path,) = tmp_path.glob("*-gated_rms_norm-sweep-smoke.json")
+    rows = json.loads(path.read_text())["results"]
+    assert rows and all(r["check"] == "pass" and r["status"] == "ok" for r in rows)
+    assert {r["pass"] for r in rows if r["default"]} == {"fwd", "bwd"}
