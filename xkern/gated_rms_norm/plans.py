@@ -5,15 +5,16 @@ Fixed rules from shapes and element sizes (no autotuning), one sentence per regi
   a narrow group: 16 x 128 for the head width of Qwen3-Next), 16 elements per thread per stream, a program a
   tile (the kernel's PERSISTENT schedule, a program per several tiles, is a candidate of the benchmark's sweep);
 - forward, wider groups: one program per (row, group), summing over column chunks, then re-reading the group;
-- backward, narrow groups (BWD_NARROW_TILES: the head width 128): persistent tiles of many rows, each program
-  loading its next tile before this tile's math, keeping its dw slice in registers;
+- backward, narrow groups (BWD_NARROW_TILES: the head width 128): persistent tiles of several rows, each
+  program loading its next tile before this tile's math, keeping its dw terms per row position in registers;
 - backward, other groups up to MAX_BWD_BLOCK wide: persistent tiles of whole groups (BWD_TILE_ELEMS elements),
   8 elements per thread per stream, BWD_WARPS_PER_SM warps per SM in all (every program resident), each
   keeping its dw slice in registers;
 - backward, wider groups: per (row, group) statistics in column chunks, then a column split (program per
   column block and row set) keeping its dw slice in registers;
 - dw: RMSNorm's fixed-order reduction of the per-program partial rows.
-These are first rules, not yet swept on a GPU (benchmarks/gated_rms_norm.py times them).
+These are first rules, not yet swept on a GPU: `python -m benchmarks.gated_rms_norm --sweep` times the head
+width's candidates (the plans' `tile=`), the rules' among them.
 """
 
 from __future__ import annotations
