@@ -9,6 +9,13 @@ writes dx, dz and dw. Checks: the FP64 oracle on evenly spaced rows for y, dx an
 
     python -m benchmarks.gated_rms_norm --out DIR       # on a GPU (~5 min); writes DIR/<gpu>-gated_rms_norm.json
     python -m benchmarks.gated_rms_norm --smoke         # every path at tiny sizes (CPU: the interpreter)
+    python -m benchmarks.gated_rms_norm --sweep [--out DIR]  # the head-width schedules' candidates (~1 min)
+
+`--sweep`: the narrow (128-wide) backward's and forward's candidate schedules (`SWEEP_BWD_TILES`,
+`SWEEP_FWD_TILES`: the plans' `tile=`, constexprs and launch parameters of the same kernels) at Qwen3-Next's
+8192 and 32768 tokens x 32 heads x 128, bf16, each checked against the oracle, then timed (do_bench median,
+L2 flushed): µs and the fraction of the copy ceiling, the registers and how many programs an SM holds at once
+(persistent grids need every program resident).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 from benchmarks.runner import Case, Inputs, Op, run_case, sample_rows
 from xkern import reference as R
 from xkern.gated_rms_norm import FAMILIES
+from xkern.gated_rms_norm.plans import BwdTile
 from xkern.testing import to_numpy, torch_dtype
 
 EPS = 1e-6
@@ -173,12 +181,12 @@ def make(case: Case, device: str, n_sets: int) -> Inputs:
 
 
 def check(case: Case, ref: dict, got: dict) -> tuple[dict, str | None]:
+    """y, dx, dz (at the oracle's rows) and dw, those of them in `got`, against the oracle."""
     import torch
 
     n = case.shape[-1]
-    rows = torch.from_numpy(ref["rows"]).to(got["y"].device)
-    outputs = {"y": got["y"].reshape(-1, n)[rows], "dx": got["dx"].reshape(-1, n)[rows],
-               "dz": got["dz"].reshape(-1, n)[rows], "dw": got["dw"]}
+    rows = torch.from_numpy(ref["rows"]).to(next(iter(got.values())).device)
+    outputs = {kind: out if kind == "dw" else out.reshape(-1, n)[rows] for kind, out in got.items()}
     stats = {}
     for kind, out in outputs.items():
         try:
@@ -192,6 +200,125 @@ def check(case: Case, ref: dict, got: dict) -> tuple[dict, str | None]:
 OP = Op("gated_rms_norm", cases, make, check, min_bytes, torch_impls, jax_impls, grad_names=("dx", "dz", "dw"))
 
 
+# ---------------------------------------------------------------------------------------------------
+# The head width's schedules: candidates of the plans' `tile=` (same kernels, constexprs and launch parameters)
+
+SWEEP_SHAPES = [(8192, 32, 128), (32768, 32, 128)]
+SWEEP_SMOKE = [(8, 4, 128)]
+# BwdTile(BLOCK_M, num_warps, programs per SM, PREFETCH, STAGES, DW_TILE); the first: the schedule before
+# PREFETCH and DW_TILE (4 per SM of 8 x 128 tiles, nothing loaded ahead, dw summed over rows a block)
+SWEEP_BWD_TILES = [BwdTile(*t) for t in (
+    (8, 4, 4, False, 1, False), (8, 4, 4, True, 1, False), (8, 4, 4, False, 1, True), (8, 4, 4, True, 1, True),
+    (8, 4, 5, True, 1, True), (8, 4, 4, False, 2, True), (8, 4, 3, False, 3, True), (8, 4, 4, False, 3, True),
+    (16, 4, 3, True, 1, True), (16, 4, 2, True, 1, True), (16, 4, 2, False, 2, False), (16, 2, 4, True, 1, False),
+    (8, 2, 6, True, 1, True), (32, 4, 2, True, 1, False), (4, 2, 10, True, 1, True), (4, 1, 12, True, 1, True))]
+# (BLOCK_M, num_warps, programs per SM: 0 for a program a tile, else persistent, loading the next tile ahead);
+# the first: the plan's rule
+SWEEP_FWD_TILES = [(16, 4, 0), (16, 2, 0), (8, 2, 0), (8, 1, 0), (4, 1, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0),
+                   (16, 4, 4), (8, 2, 8), (16, 2, 4), (32, 4, 2), (32, 8, 2), (8, 1, 8)]
+SM_REGISTERS = 64 * 1024  # a register file, sm_80 to sm_120
+
+
+def _resident(compiled, num_warps: int) -> tuple[int, int, int]:
+    """(registers a thread, bytes spilled, programs an SM holds at once by registers and shared memory)."""
+    compiled._init_handles()
+    per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated in units of 256 registers a warp
+    import torch
+
+    smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_multiprocessor", 228 * 1024)
+    by_smem = smem // compiled.metadata.shared if compiled.metadata.shared else 32
+    return compiled.n_regs, compiled.n_spills, min(SM_REGISTERS // (per_warp * num_warps), by_smem, 64 // num_warps)
+
+
+def _timed(launches, arrays, scalars, smoke: bool) -> tuple[float, tuple[int, int, int] | None]:
+    """Device time of `launches` in order (each on its named arrays; `timing.torch_device_us`, a CUDA graph
+    as the benchmark's torch rows), and the first launch's residency."""
+    from benchmarks import timing
+    from xkern.launch import bind
+    from xkern.testing import launch
+
+    def run():
+        for plan, names in launches:
+            launch(plan, *[arrays[name] for name in names], **scalars)
+
+    us, _ = timing.torch_device_us(lambda: [run])
+    if smoke:
+        return us, None
+    plan, names = launches[0]
+    compiled = plan.kernel.warmup(**bind(plan, [arrays[name] for name in names], scalars), grid=plan.grid,
+                                  num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return us, _resident(compiled, plan.num_warps)
+
+
+def sweep(smoke: bool, gbps: float, say) -> list[dict]:
+    """Every candidate at every sweep shape: checked against the oracle, timed; one row each."""
+    import torch
+
+    from xkern.gated_rms_norm import plan_gated_rms_norm_bwd, plan_gated_rms_norm_fwd
+    from xkern.gated_rms_norm.plans import bwd_tile
+
+    rows = []
+    for shape in SWEEP_SMOKE if smoke else SWEEP_SHAPES:
+        case = Case("gated_rms_norm", shape, "bfloat16", ("fwd", "bwd"),
+                    {"label": f"qwen3-next T={shape[0]}", "family": "norm-llama-then-gate", "activation": "silu",
+                     "group_size": shape[-1]})
+        inputs = make(case, "cuda" if torch.cuda.is_available() else "cpu", 1)
+        (x, z, w), dy = inputs.sets[0]
+        n = shape[-1]
+        m = x.numel() // n
+        opts = {k: v for k, v in _options(case).items() if k != "group_size"}
+        arrays = {"x": x.view(m, n), "z": z.view(m, n), "w": w, "dy": dy.view(m, n), "y": torch.empty_like(x),
+                  "dx": torch.empty_like(x), "dz": torch.empty_like(x), "dw": torch.empty_like(w)}
+        scalars = dict(n_rows=m, group_size=n, x_row_stride=n, z_row_stride=n, dy_row_stride=n, dx_row_stride=n,
+                       y_row_stride=n, n_cols=n)
+        work = [("bwd", t) for t in SWEEP_BWD_TILES]
+        work += [("fwd", t) for t in SWEEP_FWD_TILES]
+        if smoke:  # the before schedule, the rules' tiles, a pipelined and a persistent candidate
+            work = [work[i] for i in (0, 3, 7, len(SWEEP_BWD_TILES), -1)]
+        for pass_, tile in work:
+            if pass_ == "bwd":
+                plan = plan_gated_rms_norm_bwd(m, n, n, EPS, **opts, tile=tile)
+                arrays["partial"] = torch.empty(plan.n_partials, n, dtype=torch.float32, device=x.device)
+                scalars["n_partials"] = plan.n_partials
+                launches = [(plan.bwd, ("x", "z", "w", "dy", "dx", "dz", "partial")), (plan.reduce, ("partial", "dw"))]
+                outs = ("dx", "dz", "dw")
+            else:
+                launches = [(plan_gated_rms_norm_fwd(m, n, n, EPS, **opts, tile=tile), ("x", "z", "w", "y"))]
+                outs = ("y",)
+            for name in outs:
+                arrays[name].fill_(float("nan"))
+            row = {"label": case.info["label"], "shape": list(shape), "pass": pass_, "tile": list(tile),
+                   "default": tuple(tile) == tuple(bwd_tile(n) if pass_ == "bwd" else SWEEP_FWD_TILES[0])}
+            try:
+                us, resident = _timed(launches, arrays, scalars, smoke)
+                _, failed = check(case, inputs.ref, {k: arrays[k].view(m, n) if k != "dw" else arrays[k]
+                                                     for k in outs})
+            except Exception as err:  # noqa: BLE001 - a candidate that fails to compile or run: said, next
+                rows.append({**row, "status": f"error: {type(err).__name__}: {str(err)[:200]}"})
+                say(f"{row['label']} {pass_} {tile}: {rows[-1]['status']}")
+                continue
+            nbytes = min_bytes(case, pass_)
+            row.update(us=us, ceiling_frac=nbytes / us / 1e3 / gbps, check=failed or "pass",
+                       status="ok" if not failed else "check failed")
+            rows.append(row)
+            placed = ""
+            if resident:
+                wave = " (SECOND WAVE)" if resident[2] < tile[2] else ""
+                placed = f"  regs {resident[0]:3d} spill {resident[1]} resident/SM {resident[2]}{wave}"
+                row.update(regs=resident[0], spill_bytes=resident[1], resident_per_sm=resident[2])
+            say(f"{row['label']:22s} {pass_} {str(tuple(tile)):30s} {us:8.1f} us  {row['ceiling_frac']:.3f} of ceiling"
+                f"{'  (default)' if row['default'] else ''}{placed}  {row['check']}")
+    for label in dict.fromkeys(r["label"] for r in rows):
+        for pass_ in ("bwd", "fwd"):
+            ok = [r for r in rows if r["label"] == label and r["pass"] == pass_ and r.get("status") == "ok"]
+            if ok:
+                best = min(ok, key=lambda r: r["us"])
+                default = ", ".join(f"default {r['us']:.1f} us" for r in ok if r["default"])
+                say(f"best {label} {pass_}: {tuple(best['tile'])} {best['us']:.1f} us ({best['ceiling_frac']:.3f} of "
+                    f"ceiling); {default or 'default not run'}")
+    return rows
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -202,6 +329,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, timings not meaningful")
     parser.add_argument("--quick", action="store_true", help="two shapes")
+    parser.add_argument("--sweep", action="store_true", help="the head width's backward and forward candidates")
     parser.add_argument("--out", help="directory for <gpu>-gated_rms_norm.json (default: print only)")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -213,24 +341,29 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc)
     ceiling = timing.copy_ceiling()
     mode = "smoke" if smoke else ("quick" if args.quick else "main")
-    rows = []
-    for case in cases(mode):
-        rows += run_case(OP, case, device, ceiling["gbps"], lambda msg: print(msg, flush=True))
-    for row in rows:
-        us = row.get("us")
-        print(f"{row.get('label', '')}: {row['pass']:8s} {row['impl']:16s} "
-              f"{'-' if us is None else f'{us:9.1f} us'}  {row.get('status', '')}", flush=True)
     results = {"gpu": name, "date": stamp.strftime("%Y-%m-%d"), "started_utc": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "commit": commit(), "xkern_sha": kernels_sha(), "mode": mode, "smoke": smoke, "ceiling": ceiling,
-               "results": rows}
+               "commit": commit(), "xkern_sha": kernels_sha(), "mode": "sweep" if args.sweep else mode,
+               "smoke": smoke, "ceiling": ceiling}
+    if args.sweep:
+        rows = sweep(smoke, ceiling["gbps"], lambda msg: print(msg, flush=True))
+        ok = all(r.get("status") == "ok" for r in rows)
+    else:
+        rows = []
+        for case in cases(mode):
+            rows += run_case(OP, case, device, ceiling["gbps"], lambda msg: print(msg, flush=True))
+        for row in rows:
+            us = row.get("us")
+            print(f"{row.get('label', '')}: {row['pass']:8s} {row['impl']:16s} "
+                  f"{'-' if us is None else f'{us:9.1f} us'}  {row.get('status', '')}", flush=True)
+        ok = all(r.get("check", "pass") == "pass" or not r["impl"].startswith("xkern") for r in rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{gpu_kind(name)}-gated_rms_norm{'-smoke' if smoke else ''}.json")
+        stem = f"{gpu_kind(name)}-gated_rms_norm{'-sweep' if args.sweep else ''}{'-smoke' if smoke else ''}"
+        path = os.path.join(args.out, f"{stem}.json")
         with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+            json.dump({**results, "results": rows}, f, indent=1, default=str)
         print("wrote", path)
-    return 0 if all(r.get("check", "pass") == "pass" or not r["impl"].startswith("xkern") for r in rows) else 1
-
+    return 0 if ok else 1
 
 if __name__ == "__main__":
     sys.exit(main())

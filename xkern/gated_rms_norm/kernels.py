@@ -146,34 +146,79 @@ def _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST: tl.constexpr, 
     return dx, _act_grad(z, da, s, SIGMOID)
 
 
+@triton.jit
+def _tile_rows(rows, n_rows, col_mask):
+    # (int64 row indices [BLOCK_M, 1], the tile's mask). No pointers in or out: torch's access analysis
+    # counts a pointer passed through a call as written (then X looks mutated under torch.compile).
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    return rows.to(tl.int64)[:, None], mask
+
+
+@triton.jit
+def _act_rstd(x, z, group_size, EPS: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr):
+    # (h, rstd [BLOCK_M, 1], a = act(z)) of a tile of whole groups from x and z (fp32)
+    a = _act(z, SIGMOID)
+    h = x * a if GATE_FIRST else x
+    return h, tl.rsqrt(tl.sum(h * h, axis=1) * _inv(group_size) + EPS)[:, None], a
+
+
+@triton.jit
+def _gated_y(n, a, w, GATE_FIRST: tl.constexpr, FP32_W: tl.constexpr, X_TY: tl.constexpr, W_TY: tl.constexpr):
+    # y (fp32) from normed, a and w
+    y = _weighted(n, w, X_TY, W_TY, FP32_W)
+    if not GATE_FIRST:
+        y = y * a
+    return y
+
+
 @triton.jit(do_not_specialize=["n_rows", "group_size", "x_row_stride", "z_row_stride", "y_row_stride"])
 def _gated_rms_norm_fwd_kernel(
     X, Z, W,
     n_rows, group_size, x_row_stride, z_row_stride, y_row_stride,
     Y,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr,
+    FP32_W: tl.constexpr,
 ):
+    # One tile of BLOCK_M rows of group program_id(1) a program; PERSISTENT: program p takes tiles p, p + P, ...,
+    # loading the next tile's x and z before this tile's math, as the backward's PREFETCH.
     # alignment from the plan, visible to the compiler; a group of 1 folded in, as jax-triton folds it
     group_size = 1 if ONE_COL else group_size // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     z_row_stride = z_row_stride // ROW_ALIGN * ROW_ALIGN
     y_row_stride = y_row_stride // ROW_ALIGN * ROW_ALIGN
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < group_size
     gcols = (tl.program_id(1) * group_size + cols)[None, :]
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
-    x = tl.load(X + rows * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-    a = _act(tl.load(Z + rows * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32), SIGMOID)
-    h = x * a if GATE_FIRST else x
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) * _inv(group_size) + EPS)
-    w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
-    y = _weighted(h * rstd[:, None], w, X.dtype.element_ty, W.dtype.element_ty, FP32_W)
-    if not GATE_FIRST:
-        y = y * a
-    tl.store(Y + rows * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=mask)
+    x_ty: tl.constexpr = X.dtype.element_ty
+    w_ty: tl.constexpr = W.dtype.element_ty
+    if PERSISTENT:
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        r64, mask = _tile_rows(pid * BLOCK_M + tl.arange(0, BLOCK_M), n_rows, col_mask)
+        x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+        z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+        for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
+            cur_r64, cur_mask = r64, mask
+            x = x_next.to(tl.float32)
+            z = z_next.to(tl.float32)
+            r64, mask = _tile_rows((tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M), n_rows, col_mask)
+            x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+            z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+            h, rstd, a = _act_rstd(x, z, group_size, EPS, GATE_FIRST, SIGMOID)
+            y = _gated_y(h * rstd, a, w, GATE_FIRST, FP32_W, x_ty, w_ty)
+            tl.store(Y + cur_r64 * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=cur_mask)
+    else:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        x = tl.load(X + rows * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + rows * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+        h, rstd, a = _act_rstd(x, z, group_size, EPS, GATE_FIRST, SIGMOID)
+        w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        y = _gated_y(h * rstd, a, w, GATE_FIRST, FP32_W, x_ty, w_ty)
+        tl.store(Y + rows * y_row_stride + gcols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -230,10 +275,16 @@ def _gated_rms_norm_bwd_kernel(
     n_rows, group_size, x_row_stride, z_row_stride, dy_row_stride, dx_row_stride,
     DX, DZ, DW_PARTIAL,
     EPS: tl.constexpr, ROW_ALIGN: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DW_TILE: tl.constexpr,
+    GATE_FIRST: tl.constexpr, SIGMOID: tl.constexpr, FP32_W: tl.constexpr,
 ):
     # Persistent over row blocks of one group (program_id(1)): program p takes blocks p, p + P, ... and keeps
-    # its dw slice in registers; dx and dz are written with dx's row stride (both contiguous).
+    # its dw slice in registers; dx and dz are written with dx's row stride (both contiguous). With PREFETCH
+    # the next block's x, z and dy are loaded before this block's math (register double buffering): each
+    # program keeps a block's loads in flight while it computes, which hides DRAM latency with few programs.
+    # STAGES > 1: Triton's pipelining of the loop instead (cp.async, STAGES - 1 blocks ahead). DW_TILE: the dw
+    # terms summed per (row of the block, column) over the blocks, and over the rows once at the end: no sum
+    # across warps (shared memory, a barrier) a block; a fixed order still, another than row sums a block.
     group_size = 1 if ONE_COL else group_size // ROW_ALIGN * ROW_ALIGN
     x_row_stride = x_row_stride // ROW_ALIGN * ROW_ALIGN
     z_row_stride = z_row_stride // ROW_ALIGN * ROW_ALIGN
@@ -246,18 +297,34 @@ def _gated_rms_norm_bwd_kernel(
     col_mask = cols < group_size
     gcols = (group * group_size + cols)[None, :]
     w = tl.load(W + gcols, mask=col_mask[None, :], other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N] if DW_TILE else [BLOCK_N], tl.float32)
     inv_n = _inv(group_size)
     x_ty: tl.constexpr = X.dtype.element_ty
     w_ty: tl.constexpr = W.dtype.element_ty
-    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0).to(tl.float32)
+    if PREFETCH:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        r64, mask = _tile_rows(rows, n_rows, col_mask)
+        x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+        z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+        dy_next = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0)
+    for tile in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs, num_stages=STAGES):
+        if PREFETCH:
+            cur_rows, cur_r64, cur_mask = rows, r64, mask
+            x = x_next.to(tl.float32)
+            z = z_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            rows = (tile + num_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            r64, mask = _tile_rows(rows, n_rows, col_mask)
+            x_next = tl.load(X + r64 * x_row_stride + gcols, mask=mask, other=0.0)
+            z_next = tl.load(Z + r64 * z_row_stride + gcols, mask=mask, other=0.0)
+            dy_next = tl.load(DY + r64 * dy_row_stride + gcols, mask=mask, other=0.0)
+        else:
+            cur_rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            cur_r64, cur_mask = _tile_rows(cur_rows, n_rows, col_mask)
+            x = tl.load(X + cur_r64 * x_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + cur_r64 * z_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + cur_r64 * dy_row_stride + gcols, mask=cur_mask, other=0.0).to(tl.float32)
+        row_mask = cur_rows < n_rows
         a, s = _bwd_act(z, SIGMOID)
         h = x * a if GATE_FIRST else x
         # a row past the end has rstd 0 (not inf with EPS == 0): it adds nothing to dw
@@ -265,9 +332,14 @@ def _gated_rms_norm_bwd_kernel(
         n, g, t, da = _normed_grads(x, a, dy, w, rstd, GATE_FIRST, FP32_W, x_ty, w_ty)
         mean_gn = (tl.sum(g * n, axis=1) * inv_n)[:, None]
         dx, dz = _input_grads(x, z, a, s, n, g, rstd, mean_gn, da, GATE_FIRST, SIGMOID)
-        dw_acc += tl.sum(t, axis=0)
-        tl.store(DX + r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(DZ + r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=mask)
+        if DW_TILE:
+            dw_acc += t
+        else:
+            dw_acc += tl.sum(t, axis=0)
+        tl.store(DX + cur_r64 * dx_row_stride + gcols, dx.to(DX.dtype.element_ty), mask=cur_mask)
+        tl.store(DZ + cur_r64 * dx_row_stride + gcols, dz.to(DZ.dtype.element_ty), mask=cur_mask)
+    if DW_TILE:
+        dw_acc = tl.sum(dw_acc, axis=0)
     tl.store(DW_PARTIAL + pid.to(tl.int64) * tl.num_programs(1) * group_size + group * group_size + cols, dw_acc,
              mask=col_mask)
 
