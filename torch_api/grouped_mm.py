@@ -223,3 +223,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor, valida
         _check(FWD, x, w, m_offsets)
         check_offsets(m_offsets.detach().cpu().numpy(), x.shape[0])
     return _call(FWD, x, w, m_offsets)
+
+
+def grouped_mm_dx(dy: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm`'s x gradient on its own (the kernel its backward runs): dx [S, K], dx[r] = dy[r] @ w[e].T
+    for the rows of expert e, zero rows past m_offsets[-1]. dy [S, N]; w and m_offsets as `grouped_mm`'s."""
+    return _call(DX, dy, w, m_offsets)
+
+
+def grouped_mm_dw(x: torch.Tensor, dy: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm`'s weight gradient on its own (the kernel its backward runs): dw [E, K, N] contiguous,
+    dw[e] = x_e.T @ dy_e, zeros for an expert without rows. x [S, K], dy [S, N] of x's dtype."""
+    return _call(DW, x, dy, m_offsets)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from xkern.device import properties
@@ -69,6 +70,29 @@ def fit(tile: GemmTile, itemsize: int) -> GemmTile:
     while tile.block_n > 16 and pipeline_bytes(tile, itemsize, props.arch) > props.max_shared_mem:
         tile = tile._replace(block_n=tile.block_n // 2)
     return tile
+
+
+# Kernel variants, for timing a candidate against the plans' default in one process: the name -> the forms
+# ("fwd", "dx", "dw") whose launches it changes. The plans choose `variant()`: XKERN_GROUPED_MM_VARIANT at
+# import, `set_variant` after (both front ends read it when they make a recipe: a jitted JAX function keeps
+# the recipe it was traced with). Every variant computes the same contract; a variant's bits may differ
+# from the default's (another order of the FP32 sums), never between the front ends.
+VARIANTS = {"default": (), "dw_split": ("dw",)}
+_variant = [os.environ.get("XKERN_GROUPED_MM_VARIANT", "default")]
+
+
+def set_variant(name: str) -> None:
+    """Make the plans choose variant `name` (`VARIANTS`) from now on."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {name!r}")
+    _variant[0] = name
+
+
+def variant() -> str:
+    """The variant the plans choose now (`VARIANTS`)."""
+    if _variant[0] not in VARIANTS:
+        raise ValueError(f"XKERN_GROUPED_MM_VARIANT must be one of {', '.join(VARIANTS)}, got {_variant[0]!r}")
+    return _variant[0]
 
 
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program

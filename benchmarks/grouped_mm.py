@@ -1,0 +1,445 @@
+"""The experts' grouped GEMM on its own: xkern's forward, dx and dw against CUTLASS (`torch._grouped_mm`) and, in
+JAX, against `jax.lax.ragged_dot`, at the MoE layer benchmark's sizes.
+
+    python -m benchmarks.grouped_mm [--out DIR] [--quick] [--sizes qwen3-moe,deepseek-v3]
+                                    [--routings balanced,skewed] [--variants default,dw_split] [--no-ragged-dot]
+                                    [--smoke]
+
+The GEMMs are the layer's (`benchmarks/moe_layer.py`, `benchmarks/jax_moe_layer.py`): the gate/up projection
+x [S, H] @ w13 [E, H, 2I] and the down projection h [S, I] @ w2 [E, I, H], over the padded expert-major rows
+(S = T * k + E * 16 slots, each expert's block rounded up to 16 rows, zero rows past the last block), bf16.
+Each projection's three GEMMs: the forward y = x_e @ w_e, dx = dy_e @ w_e.T, dw_e = x_e.T @ dy_e. Weights in
+ragged_dot's layout [E, K, N] (the only one `jax_api.grouped_mm` takes), the same buffer for every row.
+
+Routings: "balanced", the layer's own (its router, `moe_layer.route`, on the layer's first inputs: x and
+W_r drawn as `moe_layer.torch_inputs` draws them); "skewed", the same number of routed rows with the experts'
+loads falling as 1 / rank (Zipf, s = 1; no expert more than T rows, one copy of each token at most).
+
+Implementations, each pass timed by one method (`timing.profile_device_us`: the device's kernels of a call,
+L2 flushed before each round, median of the rounds; the same for torch and JAX):
+- "xkern (torch)": `torch_api.grouped_mm` and the kernels its backward runs (`grouped_mm_dx`, `grouped_mm_dw`);
+- "CUTLASS (torch._grouped_mm)": the forward and the GEMMs of its autograd, as the torch layer calls them;
+- "xkern (jax)": `jax_api.grouped_mm` and its vjp's kernels (`grouped_mm_dx`, `grouped_mm_dw`), jitted;
+- "ragged_dot (jax)": `jax.lax.ragged_dot`, dx as ragged_dot on w transposed, dw by its vjp; a pass whose
+  compiled program needs more than the free memory, or whose first call takes more than `RAGGED_SLOW` times
+  xkern's, is not timed (the row says why).
+`--variants` adds xkern rows of other kernel variants (`xkern.grouped_mm.VARIANTS`) for the passes they
+change, named "xkern (torch) [variant]": the default and the candidate from one run.
+
+Checks: xkern (torch) against CUTLASS (relative L2 over the experts' rows, pass within `REL_TOL`: both sum in
+FP32 and round once, in other orders), every xkern (jax) row bitwise against xkern (torch) of its variant, the
+other rows' relative L2 to xkern (torch). Reported per row: µs, TFLOP/s (2 * m_offsets[-1] * K * N flops), and
+for xkern rows the time over the best peer's (CUTLASS or ragged_dot; below 1: xkern is faster).
+
+`--quick` (the balanced routing, `QUICK_ROUNDS` rounds) keeps a run of both sizes near a minute and a half of
+GPU time. Results: `<out>/<gpu kind>-grouped-mm[-quick].json` and `.md`, written after every size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+from benchmarks.report import table
+
+ALIGN = 16
+PROJECTIONS = ("gate_up", "down")
+PASSES = ("fwd", "dx", "dw")
+ROUTINGS = ("balanced", "skewed")
+XK_TORCH, CUTLASS, XK_JAX, RAGGED = "xkern (torch)", "CUTLASS (torch._grouped_mm)", "xkern (jax)", "ragged_dot (jax)"
+PEERS = (CUTLASS, RAGGED)
+QUICK_ROUNDS = 5
+REL_TOL = 1e-2  # bf16 results of FP32 sums in two orders: a few roundings apart (~1e-3); a wrong block reads ~1
+RAGGED_SLOW = 20  # ragged_dot's first call this many times xkern's: not timed further (XLA's dense lowering)
+
+
+def projection_shape(size: dict, projection: str) -> tuple[int, int]:
+    """(K, N) of a projection's forward."""
+    h, i = size["hidden"], size["inter"]
+    return (h, 2 * i) if projection == "gate_up" else (i, h)
+
+
+def n_slots(size: dict) -> int:
+    """The layer's padded rows: every routed copy plus room for each expert's padding."""
+    return size["tokens"] * size["top_k"] + size["experts"] * ALIGN
+
+
+def balanced_counts(size: dict, device: str):
+    """Rows per expert [E] int64 (numpy) of the layer's own routing: its router on its first inputs."""
+    import numpy as np
+    import torch
+
+    from benchmarks.moe_layer import route
+
+    h, e, t = size["hidden"], size["experts"], size["tokens"]
+    g = torch.Generator(device=device).manual_seed(0)  # `moe_layer.torch_inputs`' first two draws
+    x = torch.randn(t, h, generator=g, device=device, dtype=torch.bfloat16)
+    w_router = torch.randn(h, e, generator=g, device=device, dtype=torch.bfloat16).mul_(h ** -0.5)
+    _, ids = route(x, w_router, size["top_k"])
+    return np.bincount(ids.reshape(-1).cpu().numpy(), minlength=e).astype(np.int64)
+
+
+def skewed_counts(size: dict):
+    """Rows per expert [E] int64: T * k rows, loads falling as 1 / rank, none above T (water-filled)."""
+    import numpy as np
+
+    e, t, total = size["experts"], size["tokens"], size["tokens"] * size["top_k"]
+    weights = 1.0 / np.arange(1, e + 1)
+    counts = np.zeros(e, np.int64)
+    free = np.ones(e, bool)
+    while (left := total - counts.sum()) > 0:
+        share = np.floor(left * weights * free / (weights * free).sum()).astype(np.int64)
+        share[np.flatnonzero(free)[0]] += left - share.sum()  # the rounding's remainder to the largest
+        counts = np.minimum(counts + share, t)
+        free = counts < t
+    return counts
+
+
+def offsets(counts):
+    """m_offsets [E] int32 of the padded layout (each block rounded up to ALIGN rows, at least one block)."""
+    import numpy as np
+
+    return np.cumsum(-(-np.maximum(counts, ALIGN) // ALIGN) * ALIGN).astype(np.int32)
+
+
+def flops(rows: int, k: int, n: int) -> int:
+    return 2 * rows * k * n
+
+
+# ---------------------------------------------------------------------------------------------------
+# The passes of each implementation: fn(x, w, dy, offs) -> result
+
+
+def torch_impls() -> dict:
+    import torch_api
+    from benchmarks.moe_layer import grouped_mm, grouped_mm_weight_grad
+    from torch_api.grouped_mm import grouped_mm_dw, grouped_mm_dx
+
+    return {
+        XK_TORCH: {"fwd": lambda x, w, dy, offs: torch_api.grouped_mm(x, w, offs),
+                   "dx": lambda x, w, dy, offs: grouped_mm_dx(dy, w, offs),
+                   "dw": lambda x, w, dy, offs: grouped_mm_dw(x, dy, offs)},
+        CUTLASS: {"fwd": lambda x, w, dy, offs: grouped_mm(x, w, offs),
+                  "dx": lambda x, w, dy, offs: grouped_mm(dy, w.transpose(-2, -1), offs),
+                  "dw": lambda x, w, dy, offs: grouped_mm_weight_grad(x, dy, offs, w)},
+    }
+
+
+def jax_impls() -> dict:
+    """Jitted fn(x, w, dy, offs, group_sizes); made anew per call (a jitted function keeps the variant it was
+    traced with)."""
+    import jax
+
+    import jax_api
+    from jax_api.grouped_mm import grouped_mm_dw, grouped_mm_dx
+
+    def ragged_dw(x, w, dy, offs, sizes):
+        return jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes), w)[1](dy)[0]
+
+    return {
+        XK_JAX: {"fwd": jax.jit(lambda x, w, dy, offs, sizes: jax_api.grouped_mm(x, w, offs)),
+                 "dx": jax.jit(lambda x, w, dy, offs, sizes: grouped_mm_dx(dy, w, offs)),
+                 "dw": jax.jit(lambda x, w, dy, offs, sizes: grouped_mm_dw(x, dy, offs))},
+        RAGGED: {"fwd": jax.jit(lambda x, w, dy, offs, sizes: jax.lax.ragged_dot(x, w, sizes)),
+                 "dx": jax.jit(lambda x, w, dy, offs, sizes: jax.lax.ragged_dot(dy, w.swapaxes(1, 2), sizes)),
+                 "dw": jax.jit(ragged_dw)},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def rel_l2(got, ref, rows: int | None) -> float:
+    """||got - ref|| / ||ref|| in FP64 (over the first `rows` rows where given), in slices of experts or rows."""
+    import torch
+
+    got, ref = (torch.as_tensor(a) for a in (got, ref))
+    if rows is not None:
+        got, ref = got[:rows], ref[:rows]
+    diff2 = ref2 = 0.0
+    step = max(1, 2**26 // max(1, ref[0].numel()))
+    for i in range(0, ref.shape[0], step):
+        r, g = ref[i:i + step].double(), got[i:i + step].double()
+        diff2 += float(((g - r) ** 2).sum())
+        ref2 += float((r ** 2).sum())
+    return (diff2 / ref2) ** 0.5 if ref2 > 0 else float(diff2 > 0)
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def free_bytes() -> int | None:
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def measure(row: dict, call, sync, rounds: int) -> None:
+    """The row's device time (`profile_us` as `us`), its method and top kernels, or its error status."""
+    from benchmarks import timing
+
+    try:
+        row["us"], row["timing"], kernels = timing.profile_device_us([call], sync, rounds)
+        row["kernels"] = [{"name": k["name"][:80], "us": k["us"], "count": k["count"]} for k in kernels[:4]]
+        row["status"] = "ok"
+    except Exception as err:  # noqa: BLE001 - one failing row must not lose the others
+        row["status"] = timing.error_status(err)
+
+
+def run_projection(label: str, size: dict, routing: str, counts, projection: str, device: str, variants,
+                   ragged: bool, rounds: int, log) -> list[dict]:
+    """Every implementation's three passes of one projection at one size and routing."""
+    import time
+    import zlib
+
+    import numpy as np
+    import torch
+
+    from benchmarks import timing
+    from xkern.grouped_mm import VARIANTS, set_variant
+
+    k, n = projection_shape(size, projection)
+    e, s = size["experts"], n_slots(size)
+    offs_np = offsets(counts)
+    rows = int(offs_np[-1])
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{label} {projection}".encode()))
+    x = torch.randn(s, k, generator=g, device=device, dtype=torch.bfloat16)
+    w = torch.randn(e, k, n, generator=g, device=device, dtype=torch.bfloat16).mul_(k ** -0.5)
+    dy = torch.randn(s, n, generator=g, device=device, dtype=torch.bfloat16)
+    x[rows:], dy[rows:] = 0, 0  # the layer's padding tail: zero rows
+    offs = torch.from_numpy(offs_np).to(device)
+    base = {"size": label, **size, "routing": routing, "projection": projection, "shape": [s, k, n, e],
+            "rows": rows, "max_expert_rows": int(counts.max()), "dtype": "bfloat16"}
+    out, refs = [], {}
+
+    def row_of(impl, framework, pass_):
+        return {**base, "framework": framework, "impl": impl, "pass": pass_,
+                "gflop": flops(rows, k, n) / 1e9, "status": "not run"}
+
+    def valid_rows(pass_):
+        return None if pass_ == "dw" else rows
+
+    # torch: xkern of each variant (the default's result is the reference of the others), then CUTLASS
+    impls = torch_impls()
+    for variant in variants:
+        set_variant(variant)
+        for pass_ in PASSES:
+            if variant != "default" and pass_ not in VARIANTS[variant]:
+                continue
+            impl = XK_TORCH + ("" if variant == "default" else f" [{variant}]")
+            row = row_of(impl, "torch", pass_)
+            fn = impls[XK_TORCH][pass_]
+            try:
+                got = fn(x, w, dy, offs)
+                refs[(variant, pass_)] = got
+                if variant != "default":
+                    row["rel_l2_vs_xkern_default"] = rel_l2(got, refs[("default", pass_)], valid_rows(pass_))
+            except Exception as err:  # noqa: BLE001
+                row["status"] = timing.error_status(err)
+                out.append(row)
+                continue
+            measure(row, functools.partial(fn, x, w, dy, offs), timing.torch_sync, rounds)
+            out.append(row)
+    set_variant("default")
+    for pass_ in PASSES:
+        row = row_of(CUTLASS, "torch", pass_)
+        fn = impls[CUTLASS][pass_]
+        try:
+            got = fn(x, w, dy, offs)
+            if ("default", pass_) in refs:
+                err = rel_l2(refs[("default", pass_)], got, valid_rows(pass_))
+                xk = next(r for r in out if r["impl"] == XK_TORCH and r["pass"] == pass_)
+                xk["rel_l2_vs_cutlass"] = err
+                xk["check"] = "pass" if err <= REL_TOL else f"fail: relative L2 {err:.2e} to CUTLASS > {REL_TOL:g}"
+            del got
+        except Exception as err:  # noqa: BLE001
+            row["status"] = timing.error_status(err)
+            out.append(row)
+            continue
+        measure(row, functools.partial(fn, x, w, dy, offs), timing.torch_sync, rounds)
+        out.append(row)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    # JAX: the same buffers (DLPack), xkern of each variant bitwise against torch's, then ragged_dot
+    from benchmarks.runner import to_jax
+
+    xj, wj, dyj, offj = (to_jax(t) for t in (x, w, dy, offs))
+    sizes_np = np.diff(offs_np, prepend=0).astype(np.int32)
+    sizes_np[-1] += s - rows  # the tail's zero rows join the last group (as the JAX layer does)
+    sizesj = to_jax(torch.from_numpy(sizes_np).to(device))
+    args = (xj, wj, dyj, offj, sizesj)
+    for variant in variants:
+        set_variant(variant)
+        jimpls = jax_impls()  # traced under this variant
+        for pass_ in PASSES:
+            if variant != "default" and pass_ not in VARIANTS[variant]:
+                continue
+            row = row_of(XK_JAX + ("" if variant == "default" else f" [{variant}]"), "jax", pass_)
+            fn = jimpls[XK_JAX][pass_]
+            try:
+                got = torch.from_dlpack(fn(*args))
+                ref = refs.get((variant, pass_))
+                row["bitwise_equal_torch"] = ref is not None and same_bits(got, ref)
+                del got
+            except Exception as err:  # noqa: BLE001
+                row["status"] = timing.error_status(err)
+                out.append(row)
+                continue
+            measure(row, functools.partial(fn, *args), timing.jax_sync, rounds)
+            out.append(row)
+    set_variant("default")
+    if ragged:
+        jimpls = jax_impls()
+        for pass_ in PASSES:
+            row = row_of(RAGGED, "jax", pass_)
+            out.append(row)
+            fn = jimpls[RAGGED][pass_]
+            try:
+                compiled = fn.lower(*args).compile()
+                mem = compiled.memory_analysis()
+                need = sum(getattr(mem, a, 0) or 0 for a in ("temp_size_in_bytes", "output_size_in_bytes"))
+                free = free_bytes()
+                if free is not None and need > free:
+                    row["status"] = (f"skipped: the compiled program needs {need / 2**30:.1f} GiB, "
+                                     f"{free / 2**30:.1f} GiB free")
+                    continue
+                start = time.perf_counter()
+                result = compiled(*args)
+                timing.jax_sync(result)
+                first_us = 1e6 * (time.perf_counter() - start)
+                got = torch.from_dlpack(result)
+                ref = refs.get(("default", pass_))
+                if ref is not None:
+                    row["rel_l2_vs_xkern"] = rel_l2(got, ref, valid_rows(pass_))
+                del got, result
+                xk = next((r for r in out if r["impl"] == XK_JAX and r["pass"] == pass_ and "us" in r), None)
+                if xk is not None and not timing.smoke() and first_us > RAGGED_SLOW * max(xk["us"], 1000.0):
+                    row["status"] = f"not timed: its first call took {first_us / 1e3:.0f} ms"
+                    continue
+            except Exception as err:  # noqa: BLE001
+                row["status"] = timing.error_status(err)
+                continue
+            measure(row, functools.partial(compiled, *args), timing.jax_sync, rounds)
+    del args, xj, wj, dyj, offj, sizesj, refs, x, w, dy
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    for r in out:
+        if "us" in r:
+            r["tflops"] = r["gflop"] / r["us"] / 1e3
+        log(f"{label} {routing} {projection} {r['pass']} {r['impl']}: {r.get('us', float('nan')):.1f} us "
+            f"{r.get('tflops', float('nan')):.0f} TFLOP/s [{r['status']}]")
+    return out
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each xkern row's time over the best peer's of its size, routing, projection and pass."""
+    for r in rows:
+        if not r["impl"].startswith("xkern") or "us" not in r:
+            continue
+        peers = [p for p in rows if p["impl"] in PEERS and "us" in p and all(
+            p[key] == r[key] for key in ("size", "routing", "projection", "pass"))]
+        if peers:
+            best = min(peers, key=lambda p: p["us"])
+            r["vs_best_peer"], r["best_peer"] = r["us"] / best["us"], best["impl"]
+
+
+def markdown(rows: list[dict], gpu: str, smoke: bool) -> str:
+    lines = [f"## Grouped GEMM (the MoE layer's experts) on {gpu}: bf16, µs (TFLOP/s); xkern / best peer is the "
+             "time ratio (below 1: xkern faster)" + (" — smoke run, not measurements" if smoke else ""), ""]
+    cols = []
+    for r in rows:
+        us = f"{r['us']:.1f} ({r['tflops']:.0f})" if "us" in r else ""
+        ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else ""
+        check = r.get("check", "")
+        if "bitwise_equal_torch" in r:
+            check = "bitwise = torch" if r["bitwise_equal_torch"] else "fail: bits differ from torch"
+        for key in ("rel_l2_vs_xkern", "rel_l2_vs_xkern_default"):
+            if key in r:
+                check = f"rel L2 {r[key]:.1e}"
+        s, k, n, e = r["shape"]
+        cols.append([r["size"], r["routing"], f"{r['projection']} {s}×{k}×{n}, E={e}", r["pass"], r["impl"], us,
+                     ratio, check, r["status"]])
+    return "\n".join(lines + table(["size", "routing", "GEMM (S×K×N)", "pass", "impl", "µs (TFLOP/s)",
+                                    "xkern / best peer", "check", "status"], cols))
+
+
+def main(argv=None) -> int:
+    from benchmarks.moe_layer import SIZES, SMOKE_SIZE
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="directory for <gpu>-grouped-mm[-quick].json/.md (default: "
+                        "benchmarks/results/<gpu kind>/ on a GPU, nothing on CPU)")
+    parser.add_argument("--quick", action="store_true", help=f"balanced routing, {QUICK_ROUNDS} rounds per row")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
+    parser.add_argument("--routings", default=None, help="comma-separated: " + ", ".join(ROUTINGS))
+    parser.add_argument("--variants", default="default",
+                        help="comma-separated kernel variants of xkern (xkern.grouped_mm.VARIANTS), default first")
+    parser.add_argument("--no-ragged-dot", action="store_true", help="leave jax.lax.ragged_dot out")
+    parser.add_argument("--smoke", action="store_true", help="a tiny size, every path run through once")
+    args = parser.parse_args(argv)
+
+    from benchmarks.machine import GPU, RESULTS, commit, gpu_kind, versions  # noqa: I001 - first: the platform env
+    import torch
+
+    from benchmarks import timing
+    from xkern.grouped_mm import VARIANTS
+
+    variants = args.variants.split(",")
+    if variants[0] != "default" or not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants: 'default' first, then any of {', '.join(VARIANTS)}; got {args.variants}")
+    routings = (args.routings or ("balanced" if args.quick else ",".join(ROUTINGS))).split(",")
+    if not set(routings) <= set(ROUTINGS):
+        parser.error(f"--routings: a comma-separated subset of {', '.join(ROUTINGS)}, got {args.routings}")
+    smoke = args.smoke or not GPU
+    timing.set_smoke(smoke)
+    device = "cuda" if GPU else "cpu"
+    gpu = torch.cuda.get_device_name(0) if GPU else "cpu"
+    sizes = {"smoke": dict(SMOKE_SIZE)} if smoke else {s: dict(SIZES[s]) for s in args.sizes.split(",")}
+    rounds = QUICK_ROUNDS if args.quick else timing.PROFILE_ROUNDS
+    out_dir = args.out or (os.path.join(RESULTS, gpu_kind(gpu)) if GPU and not smoke else None)
+    stem = None if out_dir is None else os.path.join(out_dir, gpu_kind(gpu) + "-grouped-mm" + "-quick" * args.quick)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def save(rows, final=False):
+        if stem is None:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        results = {"gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "quick": args.quick,
+                   "rounds": rounds, "align": ALIGN, "rel_tol": REL_TOL, "variants": variants,
+                   "versions": versions(), "complete": final, "rows": rows}
+        with open(stem + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(rows, gpu, smoke) + "\n")
+
+    rows: list[dict] = []
+    for label, size in sizes.items():
+        for routing in routings:
+            counts = balanced_counts(size, device) if routing == "balanced" else skewed_counts(size)
+            for projection in PROJECTIONS:
+                rows += run_projection(label, size, routing, counts, projection, device, variants,
+                                       not args.no_ragged_dot, rounds, lambda m: print(m, flush=True))
+                add_ratios(rows)
+                save(rows)
+    print("\n" + markdown(rows, gpu, smoke))
+    save(rows, final=True)
+    bad = [r for r in rows if r["impl"].startswith("xkern") and (
+        r["status"] != "ok" or r.get("check", "pass") != "pass" or r.get("bitwise_equal_torch") is False)]
+    for r in bad:
+        print(f"FAILED: {r['size']} {r['routing']} {r['projection']} {r['pass']} {r['impl']}: {r['status']} "
+              f"{r.get('check', '')}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
