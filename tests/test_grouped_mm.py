@@ -286,3 +286,47 @@ def test_core_recipes_under_jax_execute_match_torch_bitwise():
     ty = torch_api.grouped_mm(tx, tw, to_torch(offs))
     ty.backward(to_torch(dy))
     assert same_bits(y, ty) and same_bits(dx, tx.grad) and same_bits(dw, tw.grad)
+
+
+@pytest.fixture
+def dw_split(monkeypatch):
+    """The "dw_split" variant with 32-row chunks (DW_SPLIT_ROWS), its recipes made afresh; the default after."""
+    from xkern.grouped_mm import plans, recipes
+
+    monkeypatch.setattr(plans, "DW_SPLIT_ROWS", 32)
+    recipes._dw_recipe.cache_clear()
+    plans.set_variant("dw_split")
+    yield
+    plans.set_variant("default")
+    recipes._dw_recipe.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_split_dw_matches_oracle_both_front_ends_bitwise(dw_split, dtype):
+    """The split dw: experts of 70 and 100 rows in 32-row chunks (a partial last chunk each), one of 10 rows and
+    an empty one summed whole, a tail past the last offset. Against the FP64 oracle; torch's autograd and JAX's
+    execute of the same recipe give the same bits; an expert that is not split has the default kernel's bits (a
+split one's may differ: its FP32 sums run in another order)."""
+    import jax.numpy as jnp
+
+    from jax_api._launch import execute
+    from torch_api._launch import run_recipe
+    from xkern.grouped_mm import plans, set_variant
+
+    s, k, n = 200, 20, 24
+    offs = np.array([70, 70, 80, 180], np.int32)
+    x, w, dy = _operands(("split", dtype), s, k, n, len(offs), dtype)
+    (step1, step2) = grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL).steps
+    assert step1.outputs[0].shape == (2 * s // 32, k, n) and step2.launch.kernel is plans._grouped_dw_split_kernel
+    recipe = grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL)
+    (dw,) = run_recipe(recipe, DEVICE, x=to_torch(x), dy=to_torch(dy), offs=to_torch(offs))
+    ref, mag = R.grouped_mm_bwd(x, w, dy, offs)[1], R.grouped_mm_bwd(*map(np.abs, (x, w, dy)), offs)[1]
+    _within(dw, ref, mag, s, dtype, "dw")
+    assert not torch.any(dw[1]), "an expert without rows gets a zero gradient"
+    (jdw,) = execute(recipe, x=jnp.asarray(x), dy=jnp.asarray(dy), offs=jnp.asarray(offs))
+    tx, tw = (to_torch(a).requires_grad_() for a in (x, w))
+    torch_api.grouped_mm(tx, tw, to_torch(offs)).backward(to_torch(dy))
+    _within(tw.grad, ref, mag, s, dtype, "dw (torch autograd, its plan's tiles)")
+    set_variant("default")
+    plain = _run_core(grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL), *map(to_torch, (x, dy, offs)))
+    assert same_bits(jdw, dw) and same_bits(plain[2], dw[2])

@@ -35,6 +35,7 @@ from xkern.grouped_mm import (
     grouped_mm_dw_recipe,
     grouped_mm_dx_recipe,
     grouped_mm_recipe,
+    variant,
     weight_layout,
 )
 
@@ -167,7 +168,7 @@ def _executor(form: str, a, b, offs) -> Executor:
 
 
 def _eager(form: str, a, b, offs) -> torch.Tensor:
-    ex = cached((form, signature(a), signature(b), signature(offs)), _executor, form, a, b, offs)
+    ex = cached((form, variant(), signature(a), signature(b), signature(offs)), _executor, form, a, b, offs)
     if ex.in_place:
         return ex.run(a, b, offs)[0]
     return ex.run(*_prepare(form, a, b), offs.contiguous())[0]

@@ -7,7 +7,12 @@ import os
 from typing import NamedTuple
 
 from xkern.device import properties
-from xkern.grouped_mm.kernels import _grouped_dw_kernel, _grouped_rows_kernel
+from xkern.grouped_mm.kernels import (
+    _grouped_dw_chunks_kernel,
+    _grouped_dw_kernel,
+    _grouped_dw_split_kernel,
+    _grouped_rows_kernel,
+)
 from xkern.launch import ITEMSIZE, Launch, cdiv, next_pow2, row_align
 
 
@@ -136,3 +141,48 @@ def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, 
               "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k}
     grid = n_experts * cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
     return Launch(_grouped_dw_kernel, (grid,), tile.num_warps, consts, tile.num_stages)
+
+
+# The split dw ("dw_split"): an expert of more than DW_SPLIT_ROWS rows is summed in chunks of that many rows, each
+# chunk's FP32 sums kept in a partial of dw's shape (at most 2 * n_slots / chunk of them). Where that many
+# partials would take more than DW_SPLIT_BYTES, the chunks double until they fit (the DeepSeek-V3 size's gate/up
+# projection, 117 MB a partial: 16384-row chunks, more than any expert has at 8192 tokens; Qwen3-MoE's, 13 MB:
+# 4096 rows).
+DW_SPLIT_ROWS = 4096
+DW_SPLIT_BYTES = 2**30
+
+
+class DwSplit(NamedTuple):
+    """The split dw's two launches: `chunks` (x, dy, offs) -> partial [n_partials, n_inner, n_cols] FP32, then
+    `split` (x, dy, offs, partial) -> dw; the same scalars as the dw kernel's."""
+
+    chunks: Launch
+    split: Launch
+    n_partials: int
+
+
+def dw_split_rows(n_slots: int, n_inner: int, n_cols: int, block_r: int) -> int:
+    """Rows per chunk of the split dw: DW_SPLIT_ROWS (a multiple of `block_r`), doubled until the partials fit
+    DW_SPLIT_BYTES."""
+    chunk = cdiv(DW_SPLIT_ROWS, block_r) * block_r
+    while 2 * n_slots // chunk * n_inner * n_cols * 4 > DW_SPLIT_BYTES:
+        chunk *= 2
+    return chunk
+
+
+def plan_grouped_mm_dw_split(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str,
+                             x_row_stride: int, dy_row_stride: int, tile: GemmTile | None = None) -> DwSplit | None:
+    """The split dw (`DwSplit`) with the dw kernel's tile, or None where no expert can have more rows than a
+    chunk (n_slots at most one chunk): then the dw kernel is the plan."""
+    tile = tile or dw_tile(dtype)
+    chunk = dw_split_rows(n_slots, n_inner, n_cols, tile.block_k)
+    if n_slots <= chunk:
+        return None
+    consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, dy_row_stride), "IEEE": dtype == "float32",
+              "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k, "CHUNK": chunk,
+              "BLOCK_E": max(MIN_BLOCK_E, next_pow2(n_experts))}
+    tiles = cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
+    n_partials = 2 * n_slots // chunk
+    return DwSplit(Launch(_grouped_dw_chunks_kernel, (n_partials * tiles,), tile.num_warps, consts, tile.num_stages),
+                   Launch(_grouped_dw_split_kernel, (n_experts * tiles,), tile.num_warps, consts, tile.num_stages),
+                   n_partials)

@@ -8,7 +8,15 @@ import functools
 
 import numpy as np
 
-from xkern.grouped_mm.plans import MAX_GEMM_EXPERTS, GemmTile, plan_grouped_mm, plan_grouped_mm_dw, weight_layout
+from xkern.grouped_mm.plans import (
+    MAX_GEMM_EXPERTS,
+    GemmTile,
+    plan_grouped_mm,
+    plan_grouped_mm_dw,
+    plan_grouped_mm_dw_split,
+    variant,
+    weight_layout,
+)
 from xkern.launch import FLOATS, INT32_MAX, Buffer, Recipe, Step, check_row_count
 
 
@@ -120,16 +128,29 @@ def grouped_mm_dx_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int
     return _rows_recipe("dy", "dx", n_slots, n_cols, n_inner, n_experts, dtype, dy_row_stride, (se, sn, sk), tile)
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
                          dy_row_stride: int, tile: GemmTile | None = None) -> Recipe:
     """The gradient of w. Inputs x [n_slots, n_inner], dy [n_slots, n_cols] (rows `*_row_stride` apart, last dim
     contiguous), offs; result dw [n_experts, n_inner, n_cols] (contiguous) in `dtype`: x_e.T @ dy_e, zeros for
-    an expert without rows."""
+    an expert without rows. The plans' variant (`variant()`) chooses the launches."""
+    return _dw_recipe(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
+                      variant() == "dw_split")
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
+               dy_row_stride: int, tile: GemmTile | None, split: bool) -> Recipe:
     shape = (n_experts, n_inner, n_cols)
     if n_experts * n_inner * n_cols == 0 or n_slots == 0:
         return _zeros("dw", shape, dtype)
-    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile)
     scalars = dict(n_slots=n_slots, n_inner=n_inner, n_cols=n_cols, n_experts=n_experts, x_row_stride=x_row_stride,
                    dy_row_stride=dy_row_stride)
-    return Recipe((Step(plan, ("x", "dy", "offs"), (Buffer("dw", shape, dtype),), scalars),), ("dw",))
+    dw = Buffer("dw", shape, dtype)
+    plan = split and plan_grouped_mm_dw_split(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride,
+                                              dy_row_stride, tile)
+    if plan:
+        partial = Buffer("partial", (plan.n_partials, n_inner, n_cols), "float32")
+        return Recipe((Step(plan.chunks, ("x", "dy", "offs"), (partial,), scalars),
+                       Step(plan.split, ("x", "dy", "offs", "partial"), (dw,), scalars)), ("dw",))
+    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile)
+    return Recipe((Step(plan, ("x", "dy", "offs"), (dw,), scalars),), ("dw",))
