@@ -149,15 +149,31 @@ def _grouped_dw_kernel(
     n_cols = n_cols // ALIGN * ALIGN
     x_row_stride = x_row_stride // ALIGN * ALIGN
     dy_row_stride = dy_row_stride // ALIGN * ALIGN
-    # Program -> (expert, K tile, N tile)
-    expert, ks, cols = _dw_program(tl.program_id(0), n_inner, n_cols, BLOCK_K, BLOCK_N)
+    # Program -> (expert, K tile, N tile), the N tile fastest: neighbours share the expert's x rows.
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(n_cols, BLOCK_N)
+    per_expert = tl.cdiv(n_inner, BLOCK_K) * col_tiles
+    expert = pid // per_expert
+    ktile = pid % per_expert // col_tiles
+    col = pid % col_tiles
     end = tl.minimum(tl.maximum(tl.load(OFFS + expert), 0), n_slots)
     start = tl.load(OFFS + tl.maximum(expert - 1, 0))
     start = tl.where(expert > 0, tl.minimum(tl.maximum(start, 0), n_slots), 0)
+    ks = ktile * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
     k_mask = ks < n_inner
     col_mask = cols < n_cols
-    acc = _dw_sum(X, DY, start, end, ks, cols, k_mask, col_mask, x_row_stride, dy_row_stride, IEEE, BLOCK_K,
-                  BLOCK_N, BLOCK_R)
+    rows = tl.arange(0, BLOCK_R)
+    x_ptrs = (X + start.to(tl.int64) * x_row_stride) + (rows[:, None] * x_row_stride + ks[None, :])
+    dy_ptrs = (DY + start.to(tl.int64) * dy_row_stride) + (rows[:, None] * dy_row_stride + cols[None, :])
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for r in range(start, end, BLOCK_R):
+        row_mask = rows < end - r
+        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(dy_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(tl.trans(a), b, acc, IEEE)
+        x_ptrs += BLOCK_R * x_row_stride
+        dy_ptrs += BLOCK_R * dy_row_stride
     dw_ptrs = (DW + expert.to(tl.int64) * n_inner * n_cols) + (ks[:, None] * n_cols + cols[None, :])
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
