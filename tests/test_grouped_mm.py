@@ -9,6 +9,7 @@ and bands; the torch front end with its plan's tiles.
 
 from __future__ import annotations
 
+import importlib
 import os
 import zlib
 
@@ -330,3 +331,34 @@ split one's may differ: its FP32 sums run in another order)."""
     set_variant("default")
     plain = _run_core(grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL), *map(to_torch, (x, dy, offs)))
     assert same_bits(jdw, dw) and same_bits(plain[2], dw[2])
+
+
+def test_persistent_rows_kernel_is_the_default_bitwise():
+    """The persistent rows kernel (variant "persistent"): three programs taking every tile of the forward and of
+    dx in turn give the default kernel's bits; both front ends under the variant too."""
+    import jax.numpy as jnp
+
+    import jax_api
+    from xkern import device
+    from xkern.grouped_mm import set_variant
+
+    # the modules (the packages' attributes of that name are the functions)
+    jax_grouped_mm, torch_grouped_mm = map(importlib.import_module, ("jax_api.grouped_mm", "torch_api.grouped_mm"))
+    s, k, n = 100, 40, 36
+    x, w, dy = _operands(("persistent",), s, k, n, len(OFFSETS), "bfloat16")
+    y, dx, _ = _core(x, w, dy, OFFSETS, "bfloat16")
+    set_variant("persistent")
+    try:
+        with device.target(device.DeviceProperties(90, 3, 227 * 1024)):
+            strides = (k * n, n, 1)
+            recipes = (grouped_mm_recipe(s, k, n, len(OFFSETS), "bfloat16", k, strides, SMALL),
+                       grouped_mm_dx_recipe(s, k, n, len(OFFSETS), "bfloat16", n, strides, SMALL))
+        assert all(r.steps[0].launch.grid == (3,) for r in recipes)
+        tx, tw, tdy, toffs = (to_torch(a) for a in (x, w, dy, OFFSETS))
+        assert same_bits(_run_core(recipes[0], tx, tw, toffs), y)
+        assert same_bits(_run_core(recipes[1], tdy, tw, toffs), dx)
+        jx, jw, jdy, joffs = (jnp.asarray(a) for a in (x, w, dy, OFFSETS))
+        assert same_bits(torch_api.grouped_mm(tx, tw, toffs), jax_api.grouped_mm(jx, jw, joffs))
+        assert same_bits(torch_grouped_mm.grouped_mm_dx(tdy, tw, toffs), jax_grouped_mm.grouped_mm_dx(jdy, jw, joffs))
+    finally:
+        set_variant("default")

@@ -44,8 +44,39 @@ def _grouped_rows_kernel(
     x_row_stride = x_row_stride // ALIGN * ALIGN
     w_expert_stride = w_expert_stride // ALIGN * ALIGN
     w_stride = w_stride // ALIGN * ALIGN
+    _rows_tile(tl.program_id(0), X, W, OFFS, n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride,
+               w_stride, Y, W_N_CONTIGUOUS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M)
+
+
+@triton.jit(do_not_specialize=["n_slots", "n_inner", "n_cols", "n_experts", "x_row_stride", "w_expert_stride",
+                               "w_stride"])
+def _grouped_rows_persistent_kernel(
+    X, W, OFFS,
+    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride,
+    Y,
+    ALIGN: tl.constexpr, W_N_CONTIGUOUS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The rows kernel on a persistent grid ("persistent"): each program takes the tiles of `_grouped_rows_kernel`'s
+    programs pid, pid + grid, pid + 2 grid, ... in turn (neighbouring programs still on neighbouring tiles)."""
+    n_inner = n_inner // ALIGN * ALIGN
+    n_cols = n_cols // ALIGN * ALIGN
+    x_row_stride = x_row_stride // ALIGN * ALIGN
+    w_expert_stride = w_expert_stride // ALIGN * ALIGN
+    w_stride = w_stride // ALIGN * ALIGN
+    n_programs = (tl.cdiv(n_slots, BLOCK_M) + n_experts) * tl.cdiv(n_cols, BLOCK_N)
+    for pid in range(tl.program_id(0), n_programs, tl.num_programs(0)):
+        _rows_tile(pid, X, W, OFFS, n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride, Y,
+                   W_N_CONTIGUOUS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M)
+
+
+@triton.jit
+def _rows_tile(pid, X, W, OFFS, n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride, Y,
+               W_N_CONTIGUOUS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+    """One (row tile, column tile) of y: program number `pid` of the rows kernel's grid."""
     # Program -> (row tile, column tile): bands of GROUP_M row tiles, row tile fastest inside a band.
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(n_slots, BLOCK_M) + n_experts
     col_tiles = tl.cdiv(n_cols, BLOCK_N)
     band = GROUP_M * col_tiles

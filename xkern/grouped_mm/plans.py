@@ -12,6 +12,7 @@ from xkern.grouped_mm.kernels import (
     _grouped_dw_kernel,
     _grouped_dw_split_kernel,
     _grouped_rows_kernel,
+    _grouped_rows_persistent_kernel,
 )
 from xkern.launch import ITEMSIZE, Launch, cdiv, next_pow2, row_align
 
@@ -82,7 +83,7 @@ def fit(tile: GemmTile, itemsize: int) -> GemmTile:
 # import, `set_variant` after (both front ends read it when they make a recipe: a jitted JAX function keeps
 # the recipe it was traced with). Every variant computes the same contract; a variant's bits may differ
 # from the default's (another order of the FP32 sums), never between the front ends.
-VARIANTS = {"default": (), "dw_split": ("dw",)}
+VARIANTS = {"default": (), "dw_split": ("dw",), "persistent": ("fwd", "dx")}
 _variant = [os.environ.get("XKERN_GROUPED_MM_VARIANT", "default")]
 
 
@@ -117,10 +118,11 @@ def weight_layout(n_inner: int, n_cols: int, w_strides: tuple[int, int, int]) ->
 
 
 def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
-                    w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Launch:
+                    w_strides: tuple[int, int, int], tile: GemmTile | None = None, persistent: bool = False) -> Launch:
     """The rows kernel for y [n_slots, n_cols] = x [n_slots, n_inner] @ w[e] [n_inner, n_cols] (w with element
     strides `w_strides`, one matrix dim contiguous: `weight_layout`). Arrays (x, w, offs, y); scalars
-    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`)."""
+    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`).
+    `persistent` (variant "persistent"): the same tiles, one program per SM each taking tiles in turn."""
     tile = tile or rows_tile(dtype, n_inner)
     w_expert_stride, w_stride, n_contiguous = weight_layout(n_inner, n_cols, w_strides)
     n_tiles = cdiv(n_slots, tile.block_m) + n_experts
@@ -128,8 +130,11 @@ def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dty
               "W_N_CONTIGUOUS": n_contiguous, "IEEE": dtype == "float32", "BLOCK_M": tile.block_m,
               "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
               "BLOCK_E": max(MIN_BLOCK_E, next_pow2(n_experts)), "GROUP_M": tile.group_m}
-    return Launch(_grouped_rows_kernel, (n_tiles * cdiv(n_cols, tile.block_n),), tile.num_warps, consts,
-                  tile.num_stages)
+    programs = n_tiles * cdiv(n_cols, tile.block_n)
+    if persistent:
+        return Launch(_grouped_rows_persistent_kernel, (min(programs, properties().num_sms),), tile.num_warps, consts,
+                      tile.num_stages)
+    return Launch(_grouped_rows_kernel, (programs,), tile.num_warps, consts, tile.num_stages)
 
 
 def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,

@@ -95,37 +95,38 @@ def _zeros(name: str, shape: tuple[int, ...], dtype: str) -> Recipe:
     return Recipe((Step(None, (), (Buffer(name, shape, dtype, fill=0),)),), (name,))
 
 
+@functools.lru_cache(maxsize=1024, typed=True)
 def _rows_recipe(rows: str, out: str, n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str,
-                 row_stride: int, w_strides: tuple[int, int, int], tile: GemmTile | None) -> Recipe:
+                 row_stride: int, w_strides: tuple[int, int, int], tile: GemmTile | None, persistent: bool) -> Recipe:
     if n_slots * n_cols == 0 or n_inner == 0:  # nothing to multiply: zeros (or nothing)
         return _zeros(out, (n_slots, n_cols), dtype)
     layout = weight_layout(n_inner, n_cols, w_strides)
     if layout is None:
         raise ValueError(f"w's strides {list(w_strides)} have neither matrix dim contiguous: pass a contiguous w")
-    plan = plan_grouped_mm(n_slots, n_inner, n_cols, n_experts, dtype, row_stride, w_strides, tile)
+    plan = plan_grouped_mm(n_slots, n_inner, n_cols, n_experts, dtype, row_stride, w_strides, tile, persistent)
     w_expert_stride, w_stride, _ = layout
     scalars = dict(n_slots=n_slots, n_inner=n_inner, n_cols=n_cols, n_experts=n_experts, x_row_stride=row_stride,
                    w_expert_stride=w_expert_stride, w_stride=w_stride)
     return Recipe((Step(plan, (rows, "w", "offs"), (Buffer(out, (n_slots, n_cols), dtype),), scalars),), (out,))
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
                       w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Recipe:
     """The forward. Inputs x [n_slots, n_inner] (rows `x_row_stride` apart, last dim contiguous), w [n_experts,
     n_inner, n_cols] (element strides `w_strides`: contiguous is (K * N, N, 1)), offs [n_experts] int32; result y
-    [n_slots, n_cols] in `dtype`."""
-    return _rows_recipe("x", "y", n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, w_strides, tile)
+    [n_slots, n_cols] in `dtype`. The plans' variant (`variant()`) chooses the launch."""
+    return _rows_recipe("x", "y", n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, w_strides, tile,
+                        variant() == "persistent")
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_dx_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, dy_row_stride: int,
                          w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Recipe:
     """The gradient of x: the forward's rows kernel on dy with w read transposed (its K and N strides swapped,
     no copy). Inputs dy [n_slots, n_cols] (rows `dy_row_stride` apart), w [n_experts, n_inner, n_cols] as in
     the forward (`w_strides` its own strides), offs; result dx [n_slots, n_inner] in `dtype`."""
     se, sk, sn = w_strides
-    return _rows_recipe("dy", "dx", n_slots, n_cols, n_inner, n_experts, dtype, dy_row_stride, (se, sn, sk), tile)
+    return _rows_recipe("dy", "dx", n_slots, n_cols, n_inner, n_experts, dtype, dy_row_stride, (se, sn, sk), tile,
+                        variant() == "persistent")
 
 
 def grouped_mm_dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,

@@ -11,16 +11,19 @@ def compile_variants() -> list[tuple[Launch, dict]]:
     """Every (kernel, constexprs) the plans choose, at the extremes of what varies with the shapes: each dtype,
     both weight layouts (forward: N contiguous; dx: K contiguous), ALIGN 16 and 1, the inner dim on both sides of
     DEEP_INNER (the rows kernel's stages), BLOCK_E at its least and most (the plans' ALIGN 2-8 and BLOCK_E
-    512-2048 are the same code with other constants); the split dw's two kernels (variant "dw_split") at both
-    ALIGNs, the fewest and most experts, and a chunk doubled for its partials' memory."""
+    512-2048 are the same code with other constants), each on the persistent grid too (variant "persistent"); the
+    split dw's two kernels (variant "dw_split") at both ALIGNs, the fewest and most experts, and a chunk doubled
+    for its partials' memory."""
     variants = []
     for dtype in FLOATS:
         ptr = POINTER_TYPES[dtype]
         for n_inner, n_cols in ((256, 512), (255, 511), (8192, 512)):  # ALIGN 16, 1; past DEEP_INNER
             for experts in (1, MAX_GEMM_EXPERTS):
                 for strides in ((n_inner * n_cols, n_cols, 1), (n_inner * n_cols, 1, n_inner)):
-                    plan = plan_grouped_mm(8192, n_inner, n_cols, experts, dtype, n_inner, strides)
-                    variants.append((plan, {"X": ptr, "W": ptr, "OFFS": "*i32", "Y": ptr}))
+                    for persistent in (False, True):
+                        plan = plan_grouped_mm(8192, n_inner, n_cols, experts, dtype, n_inner, strides, None,
+                                               persistent)
+                        variants.append((plan, {"X": ptr, "W": ptr, "OFFS": "*i32", "Y": ptr}))
             dw = plan_grouped_mm_dw(8192, n_inner, n_cols, 8, dtype, n_inner, n_cols)
             variants.append((dw, {"X": ptr, "DY": ptr, "OFFS": "*i32", "DW": ptr}))
             for n_slots, experts in ((16384, 8), (16384, MAX_GEMM_EXPERTS), (2**20, 8)):
