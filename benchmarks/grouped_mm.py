@@ -2,8 +2,8 @@
 JAX, against `jax.lax.ragged_dot`, at the MoE layer benchmark's sizes.
 
     python -m benchmarks.grouped_mm [--out DIR] [--quick] [--sizes qwen3-moe,deepseek-v3]
-                                    [--routings balanced,skewed] [--variants default,dw_split] [--no-ragged-dot]
-                                    [--smoke]
+                                    [--routings balanced,skewed] [--projections gate_up,down]
+                                    [--variants default,dw_split,persistent] [--no-ragged-dot] [--smoke]
 
 The GEMMs are the layer's (`benchmarks/moe_layer.py`, `benchmarks/jax_moe_layer.py`): the gate/up projection
 x [S, H] @ w13 [E, H, 2I] and the down projection h [S, I] @ w2 [E, I, H], over the padded expert-major rows
@@ -382,6 +382,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"balanced routing, {QUICK_ROUNDS} rounds per row")
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
     parser.add_argument("--routings", default=None, help="comma-separated: " + ", ".join(ROUTINGS))
+    parser.add_argument("--projections", default=",".join(PROJECTIONS), help="comma-separated: " + ", ".join(
+        PROJECTIONS))
     parser.add_argument("--variants", default="default",
                         help="comma-separated kernel variants of xkern (xkern.grouped_mm.VARIANTS), default first")
     parser.add_argument("--no-ragged-dot", action="store_true", help="leave jax.lax.ragged_dot out")
@@ -400,6 +402,9 @@ def main(argv=None) -> int:
     routings = (args.routings or ("balanced" if args.quick else ",".join(ROUTINGS))).split(",")
     if not set(routings) <= set(ROUTINGS):
         parser.error(f"--routings: a comma-separated subset of {', '.join(ROUTINGS)}, got {args.routings}")
+    projections = args.projections.split(",")
+    if not set(projections) <= set(PROJECTIONS):
+        parser.error(f"--projections: a comma-separated subset of {', '.join(PROJECTIONS)}, got {args.projections}")
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     device = "cuda" if GPU else "cpu"
@@ -426,7 +431,7 @@ def main(argv=None) -> int:
     for label, size in sizes.items():
         for routing in routings:
             counts = balanced_counts(size, device) if routing == "balanced" else skewed_counts(size)
-            for projection in PROJECTIONS:
+            for projection in projections:
                 rows += run_projection(label, size, routing, counts, projection, device, variants,
                                        not args.no_ragged_dot, rounds, lambda m: print(m, flush=True))
                 add_ratios(rows)

@@ -9,7 +9,6 @@ and bands; the torch front end with its plan's tiles.
 
 from __future__ import annotations
 
-import importlib
 import os
 import zlib
 
@@ -302,7 +301,7 @@ def dw_split(monkeypatch):
     recipes._dw_recipe.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("dtype", (pytest.param("float32", marks=pytest.mark.slow), "bfloat16"))
 def test_split_dw_matches_oracle_both_front_ends_bitwise(dw_split, dtype):
     """The split dw: experts of 70 and 100 rows in 32-row chunks (a partial last chunk each), one of 10 rows and
     an empty one summed whole, a tail past the last offset. Against the FP64 oracle; torch's autograd and JAX's
@@ -335,30 +334,70 @@ split one's may differ: its FP32 sums run in another order)."""
 
 def test_persistent_rows_kernel_is_the_default_bitwise():
     """The persistent rows kernel (variant "persistent"): three programs taking every tile of the forward and of
-    dx in turn give the default kernel's bits; both front ends under the variant too."""
-    import jax.numpy as jnp
-
-    import jax_api
+    dx in turn give the default kernel's bits (both front ends under the variant: the benchmark's test)."""
     from xkern import device
     from xkern.grouped_mm import set_variant
 
-    # the modules (the packages' attributes of that name are the functions)
-    jax_grouped_mm, torch_grouped_mm = map(importlib.import_module, ("jax_api.grouped_mm", "torch_api.grouped_mm"))
-    s, k, n = 100, 40, 36
-    x, w, dy = _operands(("persistent",), s, k, n, len(OFFSETS), "bfloat16")
-    y, dx, _ = _core(x, w, dy, OFFSETS, "bfloat16")
+    s, k, n, offs = 40, 20, 16, np.array([10, 10, 30], np.int32)  # 6 row tiles (3 of the tail), 1 or 2 columns
+    x, w, dy = _operands(("persistent",), s, k, n, len(offs), "bfloat16")
+    tx, tw, tdy, toffs = (to_torch(a) for a in (x, w, dy, offs))
+    strides = (k * n, n, 1)
+
+    def recipes():
+        return (grouped_mm_recipe(s, k, n, len(offs), "bfloat16", k, strides, SMALL),
+                grouped_mm_dx_recipe(s, k, n, len(offs), "bfloat16", n, strides, SMALL))
+
+    y, dx = (_run_core(r, a, tw, toffs) for r, a in zip(recipes(), (tx, tdy), strict=True))
     set_variant("persistent")
     try:
         with device.target(device.DeviceProperties(90, 3, 227 * 1024)):
-            strides = (k * n, n, 1)
-            recipes = (grouped_mm_recipe(s, k, n, len(OFFSETS), "bfloat16", k, strides, SMALL),
-                       grouped_mm_dx_recipe(s, k, n, len(OFFSETS), "bfloat16", n, strides, SMALL))
-        assert all(r.steps[0].launch.grid == (3,) for r in recipes)
-        tx, tw, tdy, toffs = (to_torch(a) for a in (x, w, dy, OFFSETS))
-        assert same_bits(_run_core(recipes[0], tx, tw, toffs), y)
-        assert same_bits(_run_core(recipes[1], tdy, tw, toffs), dx)
-        jx, jw, jdy, joffs = (jnp.asarray(a) for a in (x, w, dy, OFFSETS))
-        assert same_bits(torch_api.grouped_mm(tx, tw, toffs), jax_api.grouped_mm(jx, jw, joffs))
-        assert same_bits(torch_grouped_mm.grouped_mm_dx(tdy, tw, toffs), jax_grouped_mm.grouped_mm_dx(jdy, jw, joffs))
+            persistent = recipes()
     finally:
         set_variant("default")
+    assert all(r.steps[0].launch.grid == (3,) for r in persistent)
+    assert same_bits(_run_core(persistent[0], tx, tw, toffs), y)
+    assert same_bits(_run_core(persistent[1], tdy, tw, toffs), dx)
+
+
+@pytest.mark.skipif(GPU, reason="GPU: the benchmark itself runs there (`python -m benchmarks.grouped_mm --quick`)")
+def test_gemm_table_benchmark_runs_every_row(tmp_path, monkeypatch):
+    """`benchmarks.grouped_mm --smoke` (one routing and projection, every variant): each implementation's forward,
+    dx and dw ran; xkern (torch) within tolerance of the CUTLASS stand-in, xkern (jax) torch's bits, the variants'
+    too, for the passes they change (the split dw in 64-row chunks: its two launches run)."""
+    import json
+
+    from benchmarks import grouped_mm as bench
+    from benchmarks import timing
+    from xkern.grouped_mm import VARIANTS, plans
+
+    monkeypatch.setattr(plans, "DW_SPLIT_ROWS", 32)
+    try:
+        assert bench.main(["--smoke", "--out", str(tmp_path), "--routings", "skewed", "--projections", "down",
+                           "--variants", ",".join(VARIANTS)]) == 0
+    finally:
+        timing.set_smoke(False)
+        plans.set_variant("default")
+    results = json.loads((tmp_path / "cpu-grouped-mm.json").read_text())
+    assert results["complete"] and results["variants"] == list(VARIANTS)
+    rows = {(r["projection"], r["pass"], r["impl"]): r for r in results["rows"]}
+    impls = [bench.XK_TORCH, bench.CUTLASS, bench.XK_JAX, bench.RAGGED]
+    for name, passes in VARIANTS.items():
+        impls += [f"{bench.XK_TORCH} [{name}]", f"{bench.XK_JAX} [{name}]"] if passes else []
+    for projection in ("down",):
+        for pass_ in bench.PASSES:
+            for impl in impls:
+                variant = impl.partition("[")[2].rstrip("]")
+                if variant and pass_ not in VARIANTS[variant]:
+                    assert (projection, pass_, impl) not in rows
+                    continue
+                r = rows[(projection, pass_, impl)]
+                assert r["status"] == "ok" and r["us"] > 0, r
+                if impl.startswith("xkern"):
+                    assert r["vs_best_peer"] > 0
+                if impl == bench.XK_TORCH:
+                    assert r["check"] == "pass" and r["rel_l2_vs_cutlass"] <= bench.REL_TOL
+                if impl.startswith(bench.XK_JAX):
+                    assert r["bitwise_equal_torch"], r
+                if variant and impl.startswith(bench.XK_TORCH):
+                    assert r["rel_l2_vs_xkern_default"] <= bench.REL_TOL
+    assert "| xkern / best peer |" in (tmp_path / "cpu-grouped-mm.md").read_text()
