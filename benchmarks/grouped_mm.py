@@ -197,14 +197,19 @@ def measure(row: dict, call, sync, rounds: int) -> None:
 
 def run_projection(label: str, size: dict, routing: str, counts, projection: str, device: str, variants,
                    ragged: bool, rounds: int, log) -> list[dict]:
-    """Every implementation's three passes of one projection at one size and routing."""
-    import time
+    """Every implementation's three passes of one projection at one size and routing. Memory: the operands, the
+    default xkern results (the others' reference) and one pass's results at a time (two while a pass warms up:
+    the DeepSeek-V3 gate/up projection's weight and its gradient are 15 GB each); a variant's result is kept
+    as its fingerprint (`moe_layer.fingerprint`: whole up to 256 MiB, else two sums of its bits) for the JAX
+    row's comparison."""
     import zlib
 
     import numpy as np
     import torch
 
-    from benchmarks import timing
+    from benchmarks.moe_layer import fingerprint
+    from benchmarks.moe_layer import same_bits as same_fingerprint
+    from benchmarks.runner import to_jax
     from xkern.grouped_mm import VARIANTS, set_variant
 
     k, n = projection_shape(size, projection)
@@ -217,128 +222,133 @@ def run_projection(label: str, size: dict, routing: str, counts, projection: str
     dy = torch.randn(s, n, generator=g, device=device, dtype=torch.bfloat16)
     x[rows:], dy[rows:] = 0, 0  # the layer's padding tail: zero rows
     offs = torch.from_numpy(offs_np).to(device)
+    group_sizes = np.diff(offs_np, prepend=0).astype(np.int32)
+    group_sizes[-1] += s - rows  # the tail's zero rows join the last group (as the JAX layer does)
+    # the JAX rows read the same buffers (DLPack)
+    jargs = tuple(to_jax(t) for t in (x, w, dy, offs, torch.from_numpy(group_sizes).to(device)))
     base = {"size": label, **size, "routing": routing, "projection": projection, "shape": [s, k, n, e],
-            "rows": rows, "max_expert_rows": int(counts.max()), "dtype": "bfloat16"}
+            "rows": rows, "max_expert_rows": int(counts.max()), "dtype": "bfloat16",
+            "gflop": flops(rows, k, n) / 1e9}
     out, refs = [], {}
+    torch_fns, sync = torch_impls(), _syncs()
 
-    def row_of(impl, framework, pass_):
-        return {**base, "framework": framework, "impl": impl, "pass": pass_,
-                "gflop": flops(rows, k, n) / 1e9, "status": "not run"}
+    def run(impl, framework, pass_, fn, args, check):
+        """One row: the first call checked (`check(result)` fills the row), then timed."""
+        row = {**base, "framework": framework, "impl": impl, "pass": pass_}
+        out.append(row)
+        try:
+            got = fn(*args)
+            sync[framework](got)
+            check(row, got if framework == "torch" else torch.from_dlpack(got))
+            del got
+            measure(row, functools.partial(fn, *args), sync[framework], rounds)
+        except Exception as err:  # noqa: BLE001 - one failing row must not lose the others
+            row["status"] = _error(err)
+        return row
 
-    def valid_rows(pass_):
+    def span(pass_):  # the rows of a result that every implementation defines (past the last offset: dw whole)
         return None if pass_ == "dw" else rows
 
-    # torch: xkern of each variant (the default's result is the reference of the others), then CUTLASS
-    impls = torch_impls()
-    for variant in variants:
+    for variant in variants:  # xkern, torch then JAX, the default first (the others' reference)
         set_variant(variant)
-        for pass_ in PASSES:
-            if variant != "default" and pass_ not in VARIANTS[variant]:
-                continue
-            impl = XK_TORCH + ("" if variant == "default" else f" [{variant}]")
-            row = row_of(impl, "torch", pass_)
-            fn = impls[XK_TORCH][pass_]
-            try:
-                got = fn(x, w, dy, offs)
-                refs[(variant, pass_)] = got
-                if variant != "default":
-                    row["rel_l2_vs_xkern_default"] = rel_l2(got, refs[("default", pass_)], valid_rows(pass_))
-            except Exception as err:  # noqa: BLE001
-                row["status"] = timing.error_status(err)
-                out.append(row)
-                continue
-            measure(row, functools.partial(fn, x, w, dy, offs), timing.torch_sync, rounds)
-            out.append(row)
+        jax_fns = jax_impls()  # traced under this variant
+        suffix = "" if variant == "default" else f" [{variant}]"
+        for pass_ in [p for p in PASSES if variant == "default" or p in VARIANTS[variant]]:
+            kept = {}
+
+            def keep(row, got, pass_=pass_, kept=kept, variant=variant):
+                kept["bits"] = fingerprint(got)
+                if variant == "default":
+                    refs[pass_] = got
+                else:
+                    row["rel_l2_vs_xkern_default"] = rel_l2(got, refs[pass_], span(pass_))
+
+            def same_as_torch(row, got, kept=kept):
+                row["bitwise_equal_torch"] = "bits" in kept and same_fingerprint(fingerprint(got), kept["bits"])
+
+            run(XK_TORCH + suffix, "torch", pass_, torch_fns[XK_TORCH][pass_], (x, w, dy, offs), keep)
+            _free(device)
+            run(XK_JAX + suffix, "jax", pass_, jax_fns[XK_JAX][pass_], jargs, same_as_torch)
     set_variant("default")
+
+    def against_xkern(key):
+        def check(row, got):
+            pass_ = row["pass"]
+            if pass_ in refs:
+                row[key] = err = rel_l2(got, refs[pass_], span(pass_))
+                if key == "rel_l2_vs_cutlass":  # the xkern row's check
+                    xk = next(r for r in out if r["impl"] == XK_TORCH and r["pass"] == pass_)
+                    xk["rel_l2_vs_cutlass"] = err
+                    xk["check"] = "pass" if err <= REL_TOL else f"fail: relative L2 {err:.2e} to CUTLASS > {REL_TOL:g}"
+        return check
+
     for pass_ in PASSES:
-        row = row_of(CUTLASS, "torch", pass_)
-        fn = impls[CUTLASS][pass_]
-        try:
-            got = fn(x, w, dy, offs)
-            if ("default", pass_) in refs:
-                err = rel_l2(refs[("default", pass_)], got, valid_rows(pass_))
-                xk = next(r for r in out if r["impl"] == XK_TORCH and r["pass"] == pass_)
-                xk["rel_l2_vs_cutlass"] = err
-                xk["check"] = "pass" if err <= REL_TOL else f"fail: relative L2 {err:.2e} to CUTLASS > {REL_TOL:g}"
-            del got
-        except Exception as err:  # noqa: BLE001
-            row["status"] = timing.error_status(err)
-            out.append(row)
-            continue
-        measure(row, functools.partial(fn, x, w, dy, offs), timing.torch_sync, rounds)
-        out.append(row)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-    # JAX: the same buffers (DLPack), xkern of each variant bitwise against torch's, then ragged_dot
-    from benchmarks.runner import to_jax
-
-    xj, wj, dyj, offj = (to_jax(t) for t in (x, w, dy, offs))
-    sizes_np = np.diff(offs_np, prepend=0).astype(np.int32)
-    sizes_np[-1] += s - rows  # the tail's zero rows join the last group (as the JAX layer does)
-    sizesj = to_jax(torch.from_numpy(sizes_np).to(device))
-    args = (xj, wj, dyj, offj, sizesj)
-    for variant in variants:
-        set_variant(variant)
-        jimpls = jax_impls()  # traced under this variant
-        for pass_ in PASSES:
-            if variant != "default" and pass_ not in VARIANTS[variant]:
-                continue
-            row = row_of(XK_JAX + ("" if variant == "default" else f" [{variant}]"), "jax", pass_)
-            fn = jimpls[XK_JAX][pass_]
-            try:
-                got = torch.from_dlpack(fn(*args))
-                ref = refs.get((variant, pass_))
-                row["bitwise_equal_torch"] = ref is not None and same_bits(got, ref)
-                del got
-            except Exception as err:  # noqa: BLE001
-                row["status"] = timing.error_status(err)
-                out.append(row)
-                continue
-            measure(row, functools.partial(fn, *args), timing.jax_sync, rounds)
-            out.append(row)
-    set_variant("default")
+        run(CUTLASS, "torch", pass_, torch_fns[CUTLASS][pass_], (x, w, dy, offs), against_xkern("rel_l2_vs_cutlass"))
+        _free(device)
     if ragged:
-        jimpls = jax_impls()
+        jax_fns = jax_impls()
         for pass_ in PASSES:
-            row = row_of(RAGGED, "jax", pass_)
-            out.append(row)
-            fn = jimpls[RAGGED][pass_]
-            try:
-                compiled = fn.lower(*args).compile()
-                mem = compiled.memory_analysis()
-                need = sum(getattr(mem, a, 0) or 0 for a in ("temp_size_in_bytes", "output_size_in_bytes"))
-                free = free_bytes()
-                if free is not None and need > free:
-                    row["status"] = (f"skipped: the compiled program needs {need / 2**30:.1f} GiB, "
-                                     f"{free / 2**30:.1f} GiB free")
-                    continue
-                start = time.perf_counter()
-                result = compiled(*args)
-                timing.jax_sync(result)
-                first_us = 1e6 * (time.perf_counter() - start)
-                got = torch.from_dlpack(result)
-                ref = refs.get(("default", pass_))
-                if ref is not None:
-                    row["rel_l2_vs_xkern"] = rel_l2(got, ref, valid_rows(pass_))
-                del got, result
-                xk = next((r for r in out if r["impl"] == XK_JAX and r["pass"] == pass_ and "us" in r), None)
-                if xk is not None and not timing.smoke() and first_us > RAGGED_SLOW * max(xk["us"], 1000.0):
-                    row["status"] = f"not timed: its first call took {first_us / 1e3:.0f} ms"
-                    continue
-            except Exception as err:  # noqa: BLE001
-                row["status"] = timing.error_status(err)
+            fn = ragged_dot_call(jax_fns[RAGGED][pass_], jargs, out, pass_)
+            if isinstance(fn, str):
+                out.append({**base, "framework": "jax", "impl": RAGGED, "pass": pass_, "status": fn})
                 continue
-            measure(row, functools.partial(compiled, *args), timing.jax_sync, rounds)
-    del args, xj, wj, dyj, offj, sizesj, refs, x, w, dy
-    if device == "cuda":
-        torch.cuda.empty_cache()
+            run(RAGGED, "jax", pass_, fn, jargs, against_xkern("rel_l2_vs_xkern"))
+            _free(device)
+    refs.clear()
+    del jargs, x, w, dy
+    _free(device)
     for r in out:
         if "us" in r:
             r["tflops"] = r["gflop"] / r["us"] / 1e3
         log(f"{label} {routing} {projection} {r['pass']} {r['impl']}: {r.get('us', float('nan')):.1f} us "
             f"{r.get('tflops', float('nan')):.0f} TFLOP/s [{r['status']}]")
     return out
+
+
+def ragged_dot_call(fn, args, rows: list[dict], pass_: str):
+    """`fn` (a jitted ragged_dot pass) compiled, or why it is not timed: its compiled program needs more than
+    the free memory, or its first call took more than RAGGED_SLOW times xkern (jax)'s time (XLA's dense
+    lowering)."""
+    import time
+
+    from benchmarks import timing
+
+    try:
+        compiled = fn.lower(*args).compile()
+        mem = compiled.memory_analysis()
+        need = sum(getattr(mem, a, 0) or 0 for a in ("temp_size_in_bytes", "output_size_in_bytes"))
+        free = free_bytes()
+        if free is not None and need > free:
+            return f"skipped: the compiled program needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        xk = next((r for r in rows if r["impl"] == XK_JAX and r["pass"] == pass_ and "us" in r), None)
+        if xk is not None and not timing.smoke():
+            start = time.perf_counter()
+            timing.jax_sync(compiled(*args))
+            first_us = 1e6 * (time.perf_counter() - start)
+            if first_us > RAGGED_SLOW * max(xk["us"], 1000.0):
+                return f"not timed: its first call took {first_us / 1e3:.0f} ms"
+    except Exception as err:  # noqa: BLE001
+        return _error(err)
+    return compiled
+
+
+def _error(err: BaseException) -> str:
+    from benchmarks import timing
+
+    return timing.error_status(err)
+
+
+def _syncs() -> dict:
+    from benchmarks import timing
+
+    return {"torch": timing.torch_sync, "jax": timing.jax_sync}
+
+
+def _free(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -353,11 +363,20 @@ def add_ratios(rows: list[dict]) -> None:
             r["vs_best_peer"], r["best_peer"] = r["us"] / best["us"], best["impl"]
 
 
+def row_order(rows: list[dict]):
+    """Sort key: sizes and routings as run, then projection, pass, and xkern's rows (torch, JAX, each variant's)
+    before the peers'."""
+    sizes = list(dict.fromkeys((r["size"], r["routing"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"].startswith("xkern"))) + list(PEERS)
+    return lambda r: (sizes.index((r["size"], r["routing"])), PROJECTIONS.index(r["projection"]),
+                      PASSES.index(r["pass"]), impls.index(r["impl"]) if r["impl"] in impls else len(impls))
+
+
 def markdown(rows: list[dict], gpu: str, smoke: bool) -> str:
     lines = [f"## Grouped GEMM (the MoE layer's experts) on {gpu}: bf16, µs (TFLOP/s); xkern / best peer is the "
              "time ratio (below 1: xkern faster)" + (" — smoke run, not measurements" if smoke else ""), ""]
     cols = []
-    for r in rows:
+    for r in sorted(rows, key=row_order(rows)):
         us = f"{r['us']:.1f} ({r['tflops']:.0f})" if "us" in r else ""
         ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else ""
         check = r.get("check", "")
@@ -376,6 +395,9 @@ def markdown(rows: list[dict], gpu: str, smoke: bool) -> str:
 def main(argv=None) -> int:
     from benchmarks.moe_layer import SIZES, SMOKE_SIZE
 
+    # JAX gives its buffers back to the driver when they go (its default pool would keep the 15 GB weight
+    # gradients of one projection out of the next one's torch rows)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for <gpu>-grouped-mm[-quick].json/.md (default: "
                         "benchmarks/results/<gpu kind>/ on a GPU, nothing on CPU)")
