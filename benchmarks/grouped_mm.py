@@ -32,7 +32,8 @@ other rows' relative L2 to xkern (torch). Reported per row: µs, TFLOP/s (2 * m_
 for xkern rows the time over the best peer's (CUTLASS or ragged_dot; below 1: xkern is faster).
 
 `--quick` (the balanced routing, `QUICK_ROUNDS` rounds) keeps a run of both sizes near a minute and a half of
-GPU time. Results: `<out>/<gpu kind>-grouped-mm[-quick].json` and `.md`, written after every size.
+GPU time. Results: `<out>/<gpu kind>-grouped-mm[-quick].json` and `.md`, written after every row ("complete"
+once the run ends).
 """
 
 from __future__ import annotations
@@ -196,8 +197,9 @@ def measure(row: dict, call, sync, rounds: int) -> None:
 
 
 def run_projection(label: str, size: dict, routing: str, counts, projection: str, device: str, variants,
-                   ragged: bool, rounds: int, log) -> list[dict]:
-    """Every implementation's three passes of one projection at one size and routing. Memory: the operands, the
+                   ragged: bool, rounds: int, log, done=None) -> list[dict]:
+    """Every implementation's three passes of one projection at one size and routing; `done(rows so far)` after
+    each row (the run saves them: a run stopped by a time limit keeps them). Memory: the operands, the
     default xkern results (the others' reference) and one pass's results at a time (two while a pass warms up:
     the DeepSeek-V3 gate/up projection's weight and its gradient are 15 GB each); a variant's result is kept
     as its fingerprint (`moe_layer.fingerprint`: whole up to 256 MiB, else two sums of its bits) for the JAX
@@ -244,7 +246,16 @@ def run_projection(label: str, size: dict, routing: str, counts, projection: str
             measure(row, functools.partial(fn, *args), sync[framework], rounds)
         except Exception as err:  # noqa: BLE001 - one failing row must not lose the others
             row["status"] = _error(err)
+        finish(row)
         return row
+
+    def finish(row):
+        if "us" in row:
+            row["tflops"] = row["gflop"] / row["us"] / 1e3
+        log(f"{label} {routing} {projection} {row['pass']} {row['impl']}: {row.get('us', float('nan')):.1f} us "
+            f"{row.get('tflops', float('nan')):.0f} TFLOP/s [{row['status']}]")
+        if done is not None:
+            done(out)
 
     def span(pass_):  # the rows of a result that every implementation defines (past the last offset: dw whole)
         return None if pass_ == "dw" else rows
@@ -291,17 +302,13 @@ def run_projection(label: str, size: dict, routing: str, counts, projection: str
             fn = ragged_dot_call(jax_fns[RAGGED][pass_], jargs, out, pass_)
             if isinstance(fn, str):
                 out.append({**base, "framework": "jax", "impl": RAGGED, "pass": pass_, "status": fn})
+                finish(out[-1])
                 continue
             run(RAGGED, "jax", pass_, fn, jargs, against_xkern("rel_l2_vs_xkern"))
             _free(device)
     refs.clear()
     del jargs, x, w, dy
     _free(device)
-    for r in out:
-        if "us" in r:
-            r["tflops"] = r["gflop"] / r["us"] / 1e3
-        log(f"{label} {routing} {projection} {r['pass']} {r['impl']}: {r.get('us', float('nan')):.1f} us "
-            f"{r.get('tflops', float('nan')):.0f} TFLOP/s [{r['status']}]")
     return out
 
 
@@ -440,6 +447,7 @@ def main(argv=None) -> int:
     def save(rows, final=False):
         if stem is None:
             return
+        add_ratios(rows)
         os.makedirs(out_dir, exist_ok=True)
         results = {"gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "quick": args.quick,
                    "rounds": rounds, "align": ALIGN, "rel_tol": REL_TOL, "variants": variants,
@@ -454,10 +462,11 @@ def main(argv=None) -> int:
         for routing in routings:
             counts = balanced_counts(size, device) if routing == "balanced" else skewed_counts(size)
             for projection in projections:
+                before = list(rows)
                 rows += run_projection(label, size, routing, counts, projection, device, variants,
-                                       not args.no_ragged_dot, rounds, lambda m: print(m, flush=True))
-                add_ratios(rows)
-                save(rows)
+                                       not args.no_ragged_dot, rounds, lambda m: print(m, flush=True),
+                                       lambda new, before=before: save(before + new))
+    add_ratios(rows)
     print("\n" + markdown(rows, gpu, smoke))
     save(rows, final=True)
     bad = [r for r in rows if r["impl"].startswith("xkern") and (
