@@ -425,15 +425,16 @@ def main(argv=None) -> int:
     from benchmarks import timing
     from xkern.grouped_mm import VARIANTS
 
-    variants = args.variants.split(",")
-    if variants[0] != "default" or not set(variants) <= set(VARIANTS):
-        parser.error(f"--variants: 'default' first, then any of {', '.join(VARIANTS)}; got {args.variants}")
-    routings = (args.routings or ("balanced" if args.quick else ",".join(ROUTINGS))).split(",")
-    if not set(routings) <= set(ROUTINGS):
-        parser.error(f"--routings: a comma-separated subset of {', '.join(ROUTINGS)}, got {args.routings}")
-    projections = args.projections.split(",")
-    if not set(projections) <= set(PROJECTIONS):
-        parser.error(f"--projections: a comma-separated subset of {', '.join(PROJECTIONS)}, got {args.projections}")
+    def chosen(flag: str, value: str, names) -> list[str]:
+        got = value.split(",")
+        if not set(got) <= set(names) or (flag == "variants" and got[0] != "default"):
+            parser.error(f"--{flag}: a comma-separated subset of {', '.join(names)}"
+                         f"{' (default first)' * (flag == 'variants')}, got {value}")
+        return got
+
+    variants = chosen("variants", args.variants, VARIANTS)
+    routings = chosen("routings", args.routings or ("balanced" if args.quick else ",".join(ROUTINGS)), ROUTINGS)
+    projections = chosen("projections", args.projections, PROJECTIONS)
     smoke = args.smoke or not GPU
     timing.set_smoke(smoke)
     device = "cuda" if GPU else "cpu"

@@ -130,7 +130,9 @@ def _rows_tile(pid, X, W, OFFS, n_slots, n_inner, n_cols, n_experts, x_row_strid
 @triton.jit
 def _dw_sum(X, DY, start, end, ks, cols, k_mask, col_mask, x_row_stride, dy_row_stride, IEEE: tl.constexpr,
             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """x[start:end, ks].T @ dy[start:end, cols] in FP32, BLOCK_R rows at a time."""
+    """x[start:end, ks].T @ dy[start:end, cols] in FP32, BLOCK_R rows at a time: `_grouped_dw_kernel`'s loop, for
+    the split dw's kernels (that kernel keeps its own copy, so that its binary stays the one the GPU suite
+    validated)."""
     rows = tl.arange(0, BLOCK_R)
     x_ptrs = (X + start.to(tl.int64) * x_row_stride) + (rows[:, None] * x_row_stride + ks[None, :])
     dy_ptrs = (DY + start.to(tl.int64) * dy_row_stride) + (rows[:, None] * dy_row_stride + cols[None, :])
@@ -153,6 +155,13 @@ def _dw_program(pid, n_inner, n_cols, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
     ks = pid % per_item // col_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = pid % col_tiles * BLOCK_N + tl.arange(0, BLOCK_N)
     return pid // per_item, ks, cols
+
+
+@triton.jit
+def _aligned(n_inner, n_cols, a_row_stride, b_row_stride, ALIGN: tl.constexpr):
+    """The dw kernels' widths and row strides with the plan's alignment made visible (`_grouped_rows_kernel`)."""
+    return (n_inner // ALIGN * ALIGN, n_cols // ALIGN * ALIGN, a_row_stride // ALIGN * ALIGN,
+            b_row_stride // ALIGN * ALIGN)
 
 
 @triton.jit
@@ -228,10 +237,7 @@ def _grouped_dw_chunks_kernel(
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    n_inner = n_inner // ALIGN * ALIGN
-    n_cols = n_cols // ALIGN * ALIGN
-    x_row_stride = x_row_stride // ALIGN * ALIGN
-    dy_row_stride = dy_row_stride // ALIGN * ALIGN
+    n_inner, n_cols, x_row_stride, dy_row_stride = _aligned(n_inner, n_cols, x_row_stride, dy_row_stride, ALIGN)
     # Program -> (chunk, K tile, N tile); the chunk's expert: how many split experts' chunks end at or before it
     chunk, ks, cols = _dw_program(tl.program_id(0), n_inner, n_cols, BLOCK_K, BLOCK_N)
     starts, ends, chunks, ends_chunks = _split_chunks(OFFS, n_slots, n_experts, CHUNK, BLOCK_E)
@@ -257,10 +263,7 @@ def _grouped_dw_split_kernel(
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    n_inner = n_inner // ALIGN * ALIGN
-    n_cols = n_cols // ALIGN * ALIGN
-    x_row_stride = x_row_stride // ALIGN * ALIGN
-    dy_row_stride = dy_row_stride // ALIGN * ALIGN
+    n_inner, n_cols, x_row_stride, dy_row_stride = _aligned(n_inner, n_cols, x_row_stride, dy_row_stride, ALIGN)
     expert, ks, cols = _dw_program(tl.program_id(0), n_inner, n_cols, BLOCK_K, BLOCK_N)
     starts, ends, chunks, ends_chunks = _split_chunks(OFFS, n_slots, n_experts, CHUNK, BLOCK_E)
     mine = tl.arange(0, BLOCK_E) == expert
