@@ -401,3 +401,11 @@ def test_gemm_table_benchmark_runs_every_row(tmp_path, monkeypatch):
                 if variant and impl.startswith(bench.XK_TORCH):
                     assert r["rel_l2_vs_xkern_default"] <= bench.REL_TOL
     assert "| xkern / best peer |" in (tmp_path / "cpu-grouped-mm.md").read_text()
+
+
+def test_variant_names_are_checked():
+    from xkern.grouped_mm import set_variant, variant
+
+    with pytest.raises(ValueError, match="variant must be one of default, dw_split, persistent, got 'tma'"):
+        set_variant("tma")
+    assert variant() == "default"

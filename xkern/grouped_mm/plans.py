@@ -95,10 +95,12 @@ def set_variant(name: str) -> None:
 
 
 def variant() -> str:
-    """The variant the plans choose now (`VARIANTS`)."""
-    if _variant[0] not in VARIANTS:
-        raise ValueError(f"XKERN_GROUPED_MM_VARIANT must be one of {', '.join(VARIANTS)}, got {_variant[0]!r}")
+    """The variant the plans choose now (`VARIANTS`; read on every eager torch call: one list lookup)."""
     return _variant[0]
+
+
+if _variant[0] not in VARIANTS:
+    raise ValueError(f"XKERN_GROUPED_MM_VARIANT must be one of {', '.join(VARIANTS)}, got {_variant[0]!r}")
 
 
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
