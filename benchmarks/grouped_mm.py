@@ -389,14 +389,40 @@ def markdown(rows: list[dict], gpu: str, smoke: bool) -> str:
         check = r.get("check", "")
         if "bitwise_equal_torch" in r:
             check = "bitwise = torch" if r["bitwise_equal_torch"] else "fail: bits differ from torch"
-        for key in ("rel_l2_vs_xkern", "rel_l2_vs_xkern_default"):
+        for key, to in (("rel_l2_vs_xkern", "xkern"), ("rel_l2_vs_xkern_default", "the default")):
             if key in r:
-                check = f"rel L2 {r[key]:.1e}"
+                check = f"rel L2 to {to} {r[key]:.1e}"
         s, k, n, e = r["shape"]
         cols.append([r["size"], r["routing"], f"{r['projection']} {s}×{k}×{n}, E={e}", r["pass"], r["impl"], us,
                      ratio, check, r["status"]])
+    sums = [[r["size"], r["routing"], r["impl"], f"{r['us']:.0f}", f"{r['vs_cutlass']:.2f}x" if "vs_cutlass" in r
+             else ""] for r in step_sums(rows)]
     return "\n".join(lines + table(["size", "routing", "GEMM (S×K×N)", "pass", "impl", "µs (TFLOP/s)",
-                                    "xkern / best peer", "check", "status"], cols))
+                                    "xkern / best peer", "check", "status"], cols) + [
+        "", "The layer step's six GEMMs (both projections' forward, dx and dw; a variant's rows with the default's "
+        "for the passes it leaves): µs summed, and over CUTLASS's sum", ""] + table(
+        ["size", "routing", "impl", "µs, six GEMMs", "/ CUTLASS"], sums))
+
+
+def step_sums(rows: list[dict]) -> list[dict]:
+    """Per size, routing and implementation with all six GEMMs timed: their summed µs, and its ratio to
+    CUTLASS's sum. A variant's row takes the default xkern row of its framework where it changes nothing."""
+    out = []
+    for size, routing in dict.fromkeys((r["size"], r["routing"]) for r in rows):
+        mine = [r for r in rows if (r["size"], r["routing"]) == (size, routing)]
+        timed = {(r["impl"], r["projection"], r["pass"]): r["us"] for r in mine if "us" in r}
+        sums = {}
+        for impl in dict.fromkeys(r["impl"] for r in mine):
+            plain = impl.partition(" [")[0]
+            got = [timed.get((impl, p, q), timed.get((plain, p, q))) for p in PROJECTIONS for q in PASSES]
+            if all(t is not None for t in got):
+                sums[impl] = sum(got)
+        for impl, us in sums.items():
+            row = {"size": size, "routing": routing, "impl": impl, "us": us}
+            if CUTLASS in sums:
+                row["vs_cutlass"] = us / sums[CUTLASS]
+            out.append(row)
+    return out
 
 
 def main(argv=None) -> int:
@@ -452,7 +478,7 @@ def main(argv=None) -> int:
         os.makedirs(out_dir, exist_ok=True)
         results = {"gpu": gpu, "commit": commit(), "started_utc": started, "smoke": smoke, "quick": args.quick,
                    "rounds": rounds, "align": ALIGN, "rel_tol": REL_TOL, "variants": variants,
-                   "versions": versions(), "complete": final, "rows": rows}
+                   "versions": versions(), "complete": final, "rows": rows, "step_sums": step_sums(rows)}
         with open(stem + ".json", "w") as f:
             json.dump(results, f, indent=1)
         with open(stem + ".md", "w") as f:

@@ -409,3 +409,19 @@ def test_variant_names_are_checked():
     with pytest.raises(ValueError, match="variant must be one of default, dw_split, persistent, got 'tma'"):
         set_variant("tma")
     assert variant() == "default"
+
+
+def test_gemm_table_sums_the_six_gemms_of_each_implementation():
+    """The table's step sums: a variant's rows stand in for the default's only where it has them."""
+    from benchmarks import grouped_mm as bench
+
+    def row(impl, projection, pass_, us):
+        return {"size": "s", "routing": "balanced", "impl": impl, "projection": projection, "pass": pass_, "us": us}
+
+    rows = [row(impl, p, q, us) for impl, us in ((bench.XK_TORCH, 1.0), (bench.CUTLASS, 2.0))
+            for p in bench.PROJECTIONS for q in bench.PASSES]
+    rows += [row(f"{bench.XK_TORCH} [dw_split]", p, "dw", 0.5) for p in bench.PROJECTIONS]
+    rows.append(row(bench.RAGGED, "down", "fwd", 9.0))  # not all six: no sum
+    sums = {r["impl"]: (r["us"], r["vs_cutlass"]) for r in bench.step_sums(rows)}
+    assert sums == {bench.XK_TORCH: (6.0, 0.5), bench.CUTLASS: (12.0, 1.0),
+                    f"{bench.XK_TORCH} [dw_split]": (5.0, 5.0 / 12)}
