@@ -50,9 +50,17 @@ def rows_tile(dtype: str, n_inner: int) -> GemmTile:
     return fit(tile, ITEMSIZE[dtype])
 
 
-def dw_tile(dtype: str) -> GemmTile:
-    """The dw kernel's tile for `dtype`, fitted to this GPU (`fit`)."""
-    return fit(DW_TILES[ITEMSIZE[dtype]], ITEMSIZE[dtype])
+# Variant "dw_narrow", 16-bit: 128 x 128 dw tiles on one warpgroup, 3 stages (98 KiB of shared memory, at most 255
+# registers a thread): two programs fit an SM, one's epilogue beside the other's loads, where an expert's few rows
+# (DeepSeek-V3's 256 on average) make each program's loop short.
+DW_NARROW_TILES = {2: GemmTile(128, 128, 64, 4, 3)}
+
+
+def dw_tile(dtype: str, narrow: bool = False) -> GemmTile:
+    """The dw kernel's tile for `dtype` (`narrow`: variant "dw_narrow"'s, where it has one), fitted to this GPU
+    (`fit`)."""
+    tiles = DW_NARROW_TILES if narrow and ITEMSIZE[dtype] in DW_NARROW_TILES else DW_TILES
+    return fit(tiles[ITEMSIZE[dtype]], ITEMSIZE[dtype])
 
 
 def pipeline_bytes(tile: GemmTile, itemsize: int, arch: int) -> int:
@@ -83,7 +91,7 @@ def fit(tile: GemmTile, itemsize: int) -> GemmTile:
 # import, `set_variant` after (both front ends read it when they make a recipe: a jitted JAX function keeps
 # the recipe it was traced with). Every variant computes the same contract; a variant's bits may differ
 # from the default's (another order of the FP32 sums), never between the front ends.
-VARIANTS = {"default": (), "dw_split": ("dw",), "persistent": ("fwd", "dx")}
+VARIANTS = {"default": (), "dw_split": ("dw",), "dw_narrow": ("dw",), "persistent": ("fwd", "dx")}
 _variant = [os.environ.get("XKERN_GROUPED_MM_VARIANT", "default")]
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from xkern.grouped_mm.plans import (
     MAX_GEMM_EXPERTS,
     GemmTile,
+    dw_tile,
     plan_grouped_mm,
     plan_grouped_mm_dw,
     plan_grouped_mm_dw_split,
@@ -134,8 +135,11 @@ def grouped_mm_dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int
     """The gradient of w. Inputs x [n_slots, n_inner], dy [n_slots, n_cols] (rows `*_row_stride` apart, last dim
     contiguous), offs; result dw [n_experts, n_inner, n_cols] (contiguous) in `dtype`: x_e.T @ dy_e, zeros for
     an expert without rows. The plans' variant (`variant()`) chooses the launches."""
+    name = variant()
+    if tile is None and name == "dw_narrow":
+        tile = dw_tile(dtype, narrow=True)
     return _dw_recipe(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
-                      variant() == "dw_split")
+                      name == "dw_split")
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
