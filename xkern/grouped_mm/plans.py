@@ -10,6 +10,7 @@ from xkern.device import properties
 from xkern.grouped_mm.kernels import (
     _grouped_dw_chunks_kernel,
     _grouped_dw_kernel,
+    _grouped_dw_persistent_kernel,
     _grouped_dw_split_kernel,
     _grouped_rows_kernel,
     _grouped_rows_persistent_kernel,
@@ -91,7 +92,8 @@ def fit(tile: GemmTile, itemsize: int) -> GemmTile:
 # import, `set_variant` after (both front ends read it when they make a recipe: a jitted JAX function keeps
 # the recipe it was traced with). Every variant computes the same contract; a variant's bits may differ
 # from the default's (another order of the FP32 sums), never between the front ends.
-VARIANTS = {"default": (), "dw_split": ("dw",), "dw_narrow": ("dw",), "persistent": ("fwd", "dx")}
+VARIANTS = {"default": (), "dw_split": ("dw",), "dw_narrow": ("dw",), "dw_persistent": ("dw",),
+            "persistent": ("fwd", "dx")}
 _variant = [os.environ.get("XKERN_GROUPED_MM_VARIANT", "default")]
 
 
@@ -148,13 +150,17 @@ def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dty
 
 
 def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
-                       dy_row_stride: int, tile: GemmTile | None = None) -> Launch:
+                       dy_row_stride: int, tile: GemmTile | None = None, persistent: bool = False) -> Launch:
     """The dw kernel for dw [n_experts, n_inner, n_cols] from x [n_slots, n_inner] and dy [n_slots, n_cols].
-    Arrays (x, dy, offs, dw); scalars n_slots, n_inner, n_cols, n_experts, x_row_stride, dy_row_stride."""
+    Arrays (x, dy, offs, dw); scalars n_slots, n_inner, n_cols, n_experts, x_row_stride, dy_row_stride.
+    `persistent` (variant "dw_persistent"): the same tiles, one program per SM taking them in turn."""
     tile = tile or dw_tile(dtype)
     consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, dy_row_stride), "IEEE": dtype == "float32",
               "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k}
     grid = n_experts * cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
+    if persistent:
+        return Launch(_grouped_dw_persistent_kernel, (min(grid, properties().num_sms),), tile.num_warps, consts,
+                      tile.num_stages)
     return Launch(_grouped_dw_kernel, (grid,), tile.num_warps, consts, tile.num_stages)
 
 

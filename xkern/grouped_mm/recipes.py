@@ -139,12 +139,12 @@ def grouped_mm_dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int
     if tile is None and name == "dw_narrow":
         tile = dw_tile(dtype, narrow=True)
     return _dw_recipe(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
-                      name == "dw_split")
+                      name == "dw_split", name == "dw_persistent")
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
 def _dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
-               dy_row_stride: int, tile: GemmTile | None, split: bool) -> Recipe:
+               dy_row_stride: int, tile: GemmTile | None, split: bool, persistent: bool) -> Recipe:
     shape = (n_experts, n_inner, n_cols)
     if n_experts * n_inner * n_cols == 0 or n_slots == 0:
         return _zeros("dw", shape, dtype)
@@ -157,5 +157,6 @@ def _dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: s
         partial = Buffer("partial", (plan.n_partials, n_inner, n_cols), "float32")
         return Recipe((Step(plan.chunks, ("x", "dy", "offs"), (partial,), scalars),
                        Step(plan.split, ("x", "dy", "offs", "partial"), (dw,), scalars)), ("dw",))
-    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile)
+    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
+                              persistent)
     return Recipe((Step(plan, ("x", "dy", "offs"), (dw,), scalars),), ("dw",))
