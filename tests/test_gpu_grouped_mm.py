@@ -92,8 +92,9 @@ def test_deep_inner_dim_against_torch_grouped_mm():
 def test_variants_at_skewed_qwen3_moe_down_projection():
     """The kernel variants (`xkern.grouped_mm.VARIANTS`) at the Qwen3-MoE size's down projection (K 768, N 2048)
     under the GEMM table's skewed routing (its largest experts past DW_SPLIT_ROWS: the split dw splits them):
-    "persistent" gives the default's forward and dx bits; "dw_split" is within tolerance of CUTLASS's dw, has the
-    default's bits for every expert it does not split, and the same bits run to run; both front ends agree."""
+    "persistent" and "dw_persistent" give the default's bits; "dw_narrow" is within tolerance of CUTLASS's dw;
+    "dw_split" too, with the default's bits for every expert it does not split, the same bits run to run, and
+    both front ends' bits alike."""
     import importlib
 
     import jax
@@ -121,6 +122,10 @@ def test_variants_at_skewed_qwen3_moe_down_projection():
         set_variant("persistent")
         assert torch.equal(torch_api.grouped_mm(x, w, offs).view(torch.int16), default[0].view(torch.int16))
         assert torch.equal(tgm.grouped_mm_dx(dy, w, offs).view(torch.int16), default[1].view(torch.int16))
+        set_variant("dw_persistent")
+        assert torch.equal(tgm.grouped_mm_dw(x, dy, offs).view(torch.int16), default[2].view(torch.int16))
+        set_variant("dw_narrow")
+        narrow = tgm.grouped_mm_dw(x, dy, offs)
         set_variant("dw_split")
         dw = tgm.grouped_mm_dw(x, dy, offs)
         assert torch.equal(tgm.grouped_mm_dw(x, dy, offs).view(torch.int16), dw.view(torch.int16))
@@ -129,5 +134,6 @@ def test_variants_at_skewed_qwen3_moe_down_projection():
     finally:
         set_variant("default")
     assert torch.equal(dw[~split].view(torch.int16), default[2][~split].view(torch.int16))
-    _close(dw, torch._grouped_mm(x.t(), dy, offs=offs), torch._grouped_mm(x.abs().t(), dy.abs(), offs=offs),
-           int(sizes.max()), "dw (split)")
+    want, mag = torch._grouped_mm(x.t(), dy, offs=offs), torch._grouped_mm(x.abs().t(), dy.abs(), offs=offs)
+    _close(dw, want, mag, int(sizes.max()), "dw (split)")
+    _close(narrow, want, mag, int(sizes.max()), "dw (narrow tiles)")
