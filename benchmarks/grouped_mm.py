@@ -3,13 +3,15 @@ JAX, against `jax.lax.ragged_dot`, at the MoE layer benchmark's sizes.
 
     python -m benchmarks.grouped_mm [--out DIR] [--quick] [--sizes qwen3-moe,deepseek-v3]
                                     [--routings balanced,skewed] [--projections gate_up,down]
-                                    [--variants default,dw_split,persistent] [--no-ragged-dot] [--smoke]
+                                    [--variants default,persistent,dw_persistent,dw_narrow,dw_split]
+                                    [--no-ragged-dot] [--smoke]
 
 The GEMMs are the layer's (`benchmarks/moe_layer.py`, `benchmarks/jax_moe_layer.py`): the gate/up projection
 x [S, H] @ w13 [E, H, 2I] and the down projection h [S, I] @ w2 [E, I, H], over the padded expert-major rows
 (S = T * k + E * 16 slots, each expert's block rounded up to 16 rows, zero rows past the last block), bf16.
 Each projection's three GEMMs: the forward y = x_e @ w_e, dx = dy_e @ w_e.T, dw_e = x_e.T @ dy_e. Weights in
-ragged_dot's layout [E, K, N] (the only one `jax_api.grouped_mm` takes), the same buffer for every row.
+ragged_dot's layout [E, K, N] (the only one `jax_api.grouped_mm` takes), the same buffer for every row (the
+torch layer keeps the transposes, [E, N, K], and reads them transposed: the other layout of the same GEMMs).
 
 Routings: "balanced", the layer's own (its router, `moe_layer.route`, on the layer's first inputs: x and
 W_r drawn as `moe_layer.torch_inputs` draws them); "skewed", the same number of routed rows with the experts'
@@ -23,17 +25,21 @@ L2 flushed before each round, median of the rounds; the same for torch and JAX):
 - "ragged_dot (jax)": `jax.lax.ragged_dot`, dx as ragged_dot on w transposed, dw by its vjp; a pass whose
   compiled program needs more than the free memory, or whose first call takes more than `RAGGED_SLOW` times
   xkern's, is not timed (the row says why).
-`--variants` adds xkern rows of other kernel variants (`xkern.grouped_mm.VARIANTS`) for the passes they
-change, named "xkern (torch) [variant]": the default and the candidate from one run.
+`--variants` adds xkern rows of other kernel variants (`xkern.grouped_mm.VARIANTS`: "persistent", the rows
+kernel on one program per SM; "dw_persistent", the dw kernel so, its loops flattened; "dw_narrow", 128 x 128
+dw tiles, two programs an SM; "dw_split", experts longer than a chunk summed in chunks, which only the skewed
+routing at Qwen3-MoE makes) for the passes they change, named "xkern (torch) [variant]": the default and the
+candidates from one run. The markdown ends with each implementation's six GEMMs summed (a layer step's).
 
 Checks: xkern (torch) against CUTLASS (relative L2 over the experts' rows, pass within `REL_TOL`: both sum in
 FP32 and round once, in other orders), every xkern (jax) row bitwise against xkern (torch) of its variant, the
 other rows' relative L2 to xkern (torch). Reported per row: µs, TFLOP/s (2 * m_offsets[-1] * K * N flops), and
 for xkern rows the time over the best peer's (CUTLASS or ragged_dot; below 1: xkern is faster).
 
-`--quick` (the balanced routing, `QUICK_ROUNDS` rounds) keeps a run of both sizes near a minute and a half of
-GPU time. Results: `<out>/<gpu kind>-grouped-mm[-quick].json` and `.md`, written after every row ("complete"
-once the run ends).
+`--quick`: the balanced routing, `QUICK_ROUNDS` rounds a row (meant for a run of both sizes in a minute and a
+half to two and a half of GPU time with a few variants, most of it compiling; not yet timed on a GPU).
+Results: `<out>/<gpu kind>-grouped-mm[-quick].json` and `.md`, written after every row ("complete" once the
+run ends).
 """
 
 from __future__ import annotations
