@@ -301,7 +301,6 @@ def _grouped_dw_persistent_kernel(
     that one tile's last steps and store overlap the next tile's first loads where an expert has few rows."""
     n_inner, n_cols, x_row_stride, dy_row_stride = _aligned(n_inner, n_cols, x_row_stride, dy_row_stride, ALIGN)
     n_tiles = n_experts * tl.cdiv(n_inner, BLOCK_K) * tl.cdiv(n_cols, BLOCK_N)
-    rows = tl.arange(0, BLOCK_R)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
         expert, ks, cols = _dw_program(tile, n_inner, n_cols, BLOCK_K, BLOCK_N)
         end = tl.minimum(tl.maximum(tl.load(OFFS + expert), 0), n_slots)
@@ -309,15 +308,7 @@ def _grouped_dw_persistent_kernel(
         start = tl.where(expert > 0, tl.minimum(tl.maximum(start, 0), n_slots), 0)
         k_mask = ks < n_inner
         col_mask = cols < n_cols
-        x_ptrs = (X + start.to(tl.int64) * x_row_stride) + (rows[:, None] * x_row_stride + ks[None, :])
-        dy_ptrs = (DY + start.to(tl.int64) * dy_row_stride) + (rows[:, None] * dy_row_stride + cols[None, :])
-        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-        for r in range(start, end, BLOCK_R):
-            row_mask = rows < end - r
-            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(dy_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = _dot(tl.trans(a), b, acc, IEEE)
-            x_ptrs += BLOCK_R * x_row_stride
-            dy_ptrs += BLOCK_R * dy_row_stride
+        acc = _dw_sum(X, DY, start, end, ks, cols, k_mask, col_mask, x_row_stride, dy_row_stride, IEEE, BLOCK_K,
+                      BLOCK_N, BLOCK_R)
         dw_ptrs = (DW + expert.to(tl.int64) * n_inner * n_cols) + (ks[:, None] * n_cols + cols[None, :])
         tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
