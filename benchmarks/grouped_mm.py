@@ -503,7 +503,8 @@ def main(argv=None) -> int:
     print("\n" + markdown(rows, gpu, smoke))
     save(rows, final=True)
     bad = [r for r in rows if r["impl"].startswith("xkern") and (
-        r["status"] != "ok" or r.get("check", "pass") != "pass" or r.get("bitwise_equal_torch") is False)]
+        r["status"] != "ok" or r.get("check", "pass") != "pass" or r.get("bitwise_equal_torch") is False
+        or not r.get("rel_l2_vs_xkern_default", 0.0) <= REL_TOL)]
     for r in bad:
         print(f"FAILED: {r['size']} {r['routing']} {r['projection']} {r['pass']} {r['impl']}: {r['status']} "
               f"{r.get('check', '')}", file=sys.stderr)
