@@ -111,3 +111,23 @@ def grouped_mm(x, w, m_offsets, validate: bool = False):
         contract.check_offsets(concrete("m_offsets", m_offsets), x.shape[0])
     # Inside shard_map a replicated weight is made varying like x (its gradient: the psum of the shards')
     return _fwd(vary_like(x, w), vary_like(w, x), sharding.expert_offsets(m_offsets, w))
+
+
+def _check_form(check, names, a, b, m_offsets) -> None:
+    for name, arr in zip(names, (a, b, m_offsets), strict=True):
+        check_array(name, arr)
+    check(a.dtype.name, tuple(a.shape), b.dtype.name, tuple(b.shape), m_offsets.dtype.name, tuple(m_offsets.shape))
+
+
+def grouped_mm_dx(dy, w, m_offsets):
+    """`grouped_mm`'s x gradient on its own (the kernel its vjp runs): dx [S, K], dx[r] = dy[r] @ w[e].T for
+    the rows of expert e, zero rows past m_offsets[-1]. dy [S, N]; w and m_offsets as `grouped_mm`'s."""
+    _check_form(contract.check_grouped_mm_dx, ("dy", "w", "m_offsets"), dy, w, m_offsets)
+    return _dx(vary_like(dy, w), vary_like(w, dy), sharding.expert_offsets(m_offsets, w))
+
+
+def grouped_mm_dw(x, dy, m_offsets):
+    """`grouped_mm`'s weight gradient on its own (the kernel its vjp runs): dw [E, K, N], dw[e] = x_e.T @ dy_e,
+    zeros for an expert without rows. x [S, K], dy [S, N] of x's dtype; m_offsets as `grouped_mm`'s."""
+    _check_form(contract.check_grouped_mm_dw, ("x", "dy", "m_offsets"), x, dy, m_offsets)
+    return _dw(vary_like(x, dy), vary_like(dy, x), m_offsets)

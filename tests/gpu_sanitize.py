@@ -7,6 +7,7 @@ Every kernel variant family runs at shapes whose edges are masked (odd widths, p
 tails), each output checked against the oracle so the run also proves the results.
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -132,9 +133,16 @@ def main():
         assert all(np.array_equal(g_.cpu().numpy(), w) for g_, w in zip(got, want)), (tokens, top_k, experts)
         count += 1
     # grouped_mm forward, dx and dw: partial row, column and K tiles, an empty expert, a zero tail past the
-    # last offset, both weight layouts (dx reads w transposed), bf16 and fp32
-    for slots, k, n, sizes, dtype in [(300, 72, 130, (90, 0, 17, 150), torch.bfloat16),
-                                      (257, 64, 128, (128, 128), torch.bfloat16), (70, 33, 40, (5, 60), torch.float32)]:
+    # last offset, both weight layouts (dx reads w transposed), bf16 and fp32; every kernel variant (the split dw
+    # in 64-row chunks, so that it splits)
+    from xkern.grouped_mm import VARIANTS, plans, recipes, set_variant
+
+    plans.DW_SPLIT_ROWS = 64
+    recipes._dw_recipe.cache_clear()
+    for variant, (slots, k, n, sizes, dtype) in itertools.product(VARIANTS, [
+            (300, 72, 130, (90, 0, 17, 150), torch.bfloat16), (257, 64, 128, (128, 128), torch.bfloat16),
+            (70, 33, 40, (5, 60), torch.float32)]):
+        set_variant(variant)
         offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
         x = torch.randn(slots, k, device="cuda", generator=g).to(dtype).requires_grad_()
         w = (torch.randn(len(sizes), k, n, device="cuda", generator=g) / k ** 0.5).to(dtype).requires_grad_()
@@ -145,8 +153,9 @@ def main():
         ref_dx, ref_dw = R.grouped_mm_bwd(_np(x), _np(w), _np(dy), on)
         for got, want, name in ((y, R.grouped_mm(_np(x), _np(w), on), "y"), (x.grad, ref_dx, "dx"),
                                 (w.grad, ref_dw, "dw")):
-            assert np.allclose(_np(got).astype(np.float64), want, rtol=2e-2, atol=2e-2), (name, slots, k, n)
+            assert np.allclose(_np(got).astype(np.float64), want, rtol=2e-2, atol=2e-2), (name, slots, k, n, variant)
         count += 1
+    set_variant("default")
     count += _gated(g)
     torch.cuda.synchronize()
     print(f"sanitize subset: {count} cases ran and matched the oracle")

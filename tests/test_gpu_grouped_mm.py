@@ -87,3 +87,53 @@ def test_deep_inner_dim_against_torch_grouped_mm():
     _close(dx[:last], torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)[:last],
            torch._grouped_mm(ady, aw.transpose(-2, -1), offs=offs)[:last], n, "dx")
     _close(dw, torch._grouped_mm(x.t(), dy, offs=offs), torch._grouped_mm(ax.t(), ady, offs=offs), max(sizes), "dw")
+
+
+def test_variants_at_skewed_qwen3_moe_down_projection():
+    """The kernel variants (`xkern.grouped_mm.VARIANTS`) at the Qwen3-MoE size's down projection (K 768, N 2048)
+    under the GEMM table's skewed routing (its largest experts past DW_SPLIT_ROWS: the split dw splits them):
+    "persistent" and "dw_persistent" give the default's bits; "dw_narrow" is within tolerance of CUTLASS's dw;
+    "dw_split" too, with the default's bits for every expert it does not split, the same bits run to run, and
+    both front ends' bits alike."""
+    import importlib
+
+    import jax
+
+    from benchmarks import grouped_mm as bench
+    from benchmarks.runner import to_jax
+    from xkern.grouped_mm import dw_tile, set_variant
+    from xkern.grouped_mm.plans import dw_split_rows
+
+    # the modules (the packages' attributes of that name are the functions)
+    jgm, tgm = map(importlib.import_module, ("jax_api.grouped_mm", "torch_api.grouped_mm"))
+    size = moe_layer.SIZES["qwen3-moe"]
+    offs = torch.from_numpy(bench.offsets(bench.skewed_counts(size))).cuda()
+    n_slots, (k, n) = bench.n_slots(size), bench.projection_shape(size, "down")
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    split = sizes > dw_split_rows(n_slots, k, n, dw_tile("bfloat16").block_k)
+    assert 1 < int(split.sum()) < len(sizes)
+    g = torch.Generator("cuda").manual_seed(5)
+    x, dy = (torch.randn(n_slots, d, generator=g, device="cuda", dtype=torch.bfloat16) for d in (k, n))
+    w = torch.randn(size["experts"], k, n, generator=g, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    last = int(offs[-1])
+    x[last:], dy[last:] = 0, 0
+    default = (torch_api.grouped_mm(x, w, offs), tgm.grouped_mm_dx(dy, w, offs), tgm.grouped_mm_dw(x, dy, offs))
+    try:
+        set_variant("persistent")
+        assert torch.equal(torch_api.grouped_mm(x, w, offs).view(torch.int16), default[0].view(torch.int16))
+        assert torch.equal(tgm.grouped_mm_dx(dy, w, offs).view(torch.int16), default[1].view(torch.int16))
+        set_variant("dw_persistent")
+        assert torch.equal(tgm.grouped_mm_dw(x, dy, offs).view(torch.int16), default[2].view(torch.int16))
+        set_variant("dw_narrow")
+        narrow = tgm.grouped_mm_dw(x, dy, offs)
+        set_variant("dw_split")
+        dw = tgm.grouped_mm_dw(x, dy, offs)
+        assert torch.equal(tgm.grouped_mm_dw(x, dy, offs).view(torch.int16), dw.view(torch.int16))
+        jdw = torch.from_dlpack(jax.jit(jgm.grouped_mm_dw)(*(to_jax(t) for t in (x, dy, offs))))
+        assert torch.equal(jdw.view(torch.int16), dw.view(torch.int16)), "torch and JAX differ"
+    finally:
+        set_variant("default")
+    assert torch.equal(dw[~split].view(torch.int16), default[2][~split].view(torch.int16))
+    want, mag = torch._grouped_mm(x.t(), dy, offs=offs), torch._grouped_mm(x.abs().t(), dy.abs(), offs=offs)
+    _close(dw, want, mag, int(sizes.max()), "dw (split)")
+    _close(narrow, want, mag, int(sizes.max()), "dw (narrow tiles)")

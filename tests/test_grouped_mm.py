@@ -286,3 +286,160 @@ def test_core_recipes_under_jax_execute_match_torch_bitwise():
     ty = torch_api.grouped_mm(tx, tw, to_torch(offs))
     ty.backward(to_torch(dy))
     assert same_bits(y, ty) and same_bits(dx, tx.grad) and same_bits(dw, tw.grad)
+
+
+@pytest.fixture
+def dw_split(monkeypatch):
+    """The "dw_split" variant with 32-row chunks (DW_SPLIT_ROWS), its recipes made afresh; the default after."""
+    from xkern.grouped_mm import plans, recipes
+
+    monkeypatch.setattr(plans, "DW_SPLIT_ROWS", 32)
+    recipes._dw_recipe.cache_clear()
+    plans.set_variant("dw_split")
+    yield
+    plans.set_variant("default")
+    recipes._dw_recipe.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", (pytest.param("float32", marks=pytest.mark.slow), "bfloat16"))
+def test_split_dw_matches_oracle_and_jax_bitwise(dw_split, dtype):
+    """The split dw: experts of 70 and 100 rows in 32-row chunks (a partial last chunk each), one of 10 rows and
+    an empty one summed whole, a tail past the last offset. Against the FP64 oracle; torch's autograd and JAX's
+    execute of the same recipe give the same bits; an expert that is not split has the default kernel's bits (a
+split one's may differ: its FP32 sums run in another order)."""
+    import jax.numpy as jnp
+
+    from jax_api._launch import execute
+    from torch_api._launch import run_recipe
+    from xkern.grouped_mm import plans, set_variant
+
+    s, k, n = 200, 20, 24
+    offs = np.array([70, 70, 80, 180], np.int32)
+    x, w, dy = _operands(("split", dtype), s, k, n, len(offs), dtype)
+    (step1, step2) = grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL).steps
+    assert step1.outputs[0].shape == (2 * s // 32, k, n) and step2.launch.kernel is plans._grouped_dw_split_kernel
+    recipe = grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL)
+    (dw,) = run_recipe(recipe, DEVICE, x=to_torch(x), dy=to_torch(dy), offs=to_torch(offs))
+    ref, mag = R.grouped_mm_bwd(x, w, dy, offs)[1], R.grouped_mm_bwd(*map(np.abs, (x, w, dy)), offs)[1]
+    _within(dw, ref, mag, s, dtype, "dw")
+    assert not torch.any(dw[1]), "an expert without rows gets a zero gradient"
+    (jdw,) = execute(recipe, x=jnp.asarray(x), dy=jnp.asarray(dy), offs=jnp.asarray(offs))
+    set_variant("default")
+    plain = _run_core(grouped_mm_dw_recipe(s, k, n, len(offs), dtype, k, n, SMALL), *map(to_torch, (x, dy, offs)))
+    assert same_bits(jdw, dw) and same_bits(plain[2], dw[2])
+
+
+def test_persistent_rows_kernel_is_the_default_bitwise():
+    """The persistent rows kernel (variant "persistent"): three programs taking every tile of the forward and of
+    dx in turn give the default kernel's bits (both front ends under the variant: the benchmark's test)."""
+    from xkern import device
+    from xkern.grouped_mm import set_variant
+
+    s, k, n, offs = 40, 20, 16, np.array([10, 10, 30], np.int32)  # 6 row tiles (3 of the tail), 1 or 2 columns
+    x, w, dy = _operands(("persistent",), s, k, n, len(offs), "bfloat16")
+    tx, tw, tdy, toffs = (to_torch(a) for a in (x, w, dy, offs))
+    strides = (k * n, n, 1)
+
+    def recipes():
+        return (grouped_mm_recipe(s, k, n, len(offs), "bfloat16", k, strides, SMALL),
+                grouped_mm_dx_recipe(s, k, n, len(offs), "bfloat16", n, strides, SMALL))
+
+    y, dx = (_run_core(r, a, tw, toffs) for r, a in zip(recipes(), (tx, tdy), strict=True))
+    set_variant("persistent")
+    try:
+        with device.target(device.DeviceProperties(90, 3, 227 * 1024)):
+            persistent = recipes()
+    finally:
+        set_variant("default")
+    assert all(r.steps[0].launch.grid == (3,) for r in persistent)
+    assert same_bits(_run_core(persistent[0], tx, tw, toffs), y)
+    assert same_bits(_run_core(persistent[1], tdy, tw, toffs), dx)
+
+
+@pytest.mark.skipif(GPU, reason="GPU: the benchmark itself runs there (`python -m benchmarks.grouped_mm --quick`)")
+def test_gemm_table_benchmark_runs_every_row(tmp_path, monkeypatch):
+    """`benchmarks.grouped_mm --smoke` (one routing and projection, every variant): each implementation's forward,
+    dx and dw ran; xkern (torch) within tolerance of the CUTLASS stand-in, xkern (jax) torch's bits, the variants'
+    too, for the passes they change (the split dw in 64-row chunks: its two launches run)."""
+    import json
+
+    from benchmarks import grouped_mm as bench
+    from benchmarks import timing
+    from xkern.grouped_mm import VARIANTS, plans
+
+    monkeypatch.setattr(plans, "DW_SPLIT_ROWS", 32)
+    variants = ("default", "dw_split", "persistent")  # "dw_narrow": the dw kernel on another tile
+    try:
+        assert bench.main(["--smoke", "--out", str(tmp_path), "--routings", "skewed", "--projections", "down",
+                           "--variants", ",".join(variants)]) == 0
+    finally:
+        timing.set_smoke(False)
+        plans.set_variant("default")
+    results = json.loads((tmp_path / "cpu-grouped-mm.json").read_text())
+    assert results["complete"] and results["variants"] == list(variants)
+    rows = {(r["projection"], r["pass"], r["impl"]): r for r in results["rows"]}
+    impls = [bench.XK_TORCH, bench.CUTLASS, bench.XK_JAX, bench.RAGGED]
+    for name in variants[1:]:
+        impls += [f"{bench.XK_TORCH} [{name}]", f"{bench.XK_JAX} [{name}]"]
+    for projection in ("down",):
+        for pass_ in bench.PASSES:
+            for impl in impls:
+                variant = impl.partition("[")[2].rstrip("]")
+                if variant and pass_ not in VARIANTS[variant]:
+                    assert (projection, pass_, impl) not in rows
+                    continue
+                r = rows[(projection, pass_, impl)]
+                assert r["status"] == "ok" and r["us"] > 0, r
+                if impl.startswith("xkern"):
+                    assert r["vs_best_peer"] > 0
+                if impl == bench.XK_TORCH:
+                    assert r["check"] == "pass" and r["rel_l2_vs_cutlass"] <= bench.REL_TOL
+                if impl.startswith(bench.XK_JAX):
+                    assert r["bitwise_equal_torch"], r
+                if variant and impl.startswith(bench.XK_TORCH):
+                    assert r["rel_l2_vs_xkern_default"] <= bench.REL_TOL
+    assert "| xkern / best peer |" in (tmp_path / "cpu-grouped-mm.md").read_text()
+
+
+def test_variant_names_are_checked():
+    from xkern.grouped_mm import set_variant, variant
+
+    with pytest.raises(ValueError, match="variant must be one of default, dw_split, .*persistent, got 'tma'"):
+        set_variant("tma")
+    assert variant() == "default"
+
+
+def test_gemm_table_sums_the_six_gemms_of_each_implementation():
+    """The table's step sums: a variant's rows stand in for the default's only where it has them."""
+    from benchmarks import grouped_mm as bench
+
+    def row(impl, projection, pass_, us):
+        return {"size": "s", "routing": "balanced", "impl": impl, "projection": projection, "pass": pass_, "us": us}
+
+    rows = [row(impl, p, q, us) for impl, us in ((bench.XK_TORCH, 1.0), (bench.CUTLASS, 2.0))
+            for p in bench.PROJECTIONS for q in bench.PASSES]
+    rows += [row(f"{bench.XK_TORCH} [dw_split]", p, "dw", 0.5) for p in bench.PROJECTIONS]
+    rows.append(row(bench.RAGGED, "down", "fwd", 9.0))  # not all six: no sum
+    sums = {r["impl"]: (r["us"], r["vs_cutlass"]) for r in bench.step_sums(rows)}
+    assert sums == {bench.XK_TORCH: (6.0, 0.5), bench.CUTLASS: (12.0, 1.0),
+                    f"{bench.XK_TORCH} [dw_split]": (5.0, 5.0 / 12)}
+
+
+def test_persistent_dw_kernel_is_the_default_bitwise():
+    """The persistent dw kernel (variant "dw_persistent"): three programs taking every (expert, K tile, N tile) in
+    turn, an empty expert among them, give the default kernel's bits."""
+    from xkern import device
+    from xkern.grouped_mm import set_variant
+
+    s, k, n, offs = 40, 20, 16, np.array([10, 10, 30], np.int32)
+    x, _, dy = _operands(("dw persistent",), s, k, n, len(offs), "bfloat16")
+    args = tuple(to_torch(a) for a in (x, dy, offs))
+    plain = _run_core(grouped_mm_dw_recipe(s, k, n, len(offs), "bfloat16", k, n, SMALL), *args)
+    set_variant("dw_persistent")
+    try:
+        with device.target(device.DeviceProperties(90, 3, 227 * 1024)):
+            recipe = grouped_mm_dw_recipe(s, k, n, len(offs), "bfloat16", k, n, SMALL)
+    finally:
+        set_variant("default")
+    assert recipe.steps[0].launch.grid == (3,)
+    assert same_bits(_run_core(recipe, *args), plain) and not torch.any(plain[1])

@@ -35,6 +35,7 @@ from xkern.grouped_mm import (
     grouped_mm_dw_recipe,
     grouped_mm_dx_recipe,
     grouped_mm_recipe,
+    variant,
     weight_layout,
 )
 
@@ -167,7 +168,7 @@ def _executor(form: str, a, b, offs) -> Executor:
 
 
 def _eager(form: str, a, b, offs) -> torch.Tensor:
-    ex = cached((form, signature(a), signature(b), signature(offs)), _executor, form, a, b, offs)
+    ex = cached((form, variant(), signature(a), signature(b), signature(offs)), _executor, form, a, b, offs)
     if ex.in_place:
         return ex.run(a, b, offs)[0]
     return ex.run(*_prepare(form, a, b), offs.contiguous())[0]
@@ -223,3 +224,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor, valida
         _check(FWD, x, w, m_offsets)
         check_offsets(m_offsets.detach().cpu().numpy(), x.shape[0])
     return _call(FWD, x, w, m_offsets)
+
+
+def grouped_mm_dx(dy: torch.Tensor, w: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm`'s x gradient on its own (the kernel its backward runs): dx [S, K], dx[r] = dy[r] @ w[e].T
+    for the rows of expert e, zero rows past m_offsets[-1]. dy [S, N]; w and m_offsets as `grouped_mm`'s."""
+    return _call(DX, dy, w, m_offsets)
+
+
+def grouped_mm_dw(x: torch.Tensor, dy: torch.Tensor, m_offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm`'s weight gradient on its own (the kernel its backward runs): dw [E, K, N] contiguous,
+    dw[e] = x_e.T @ dy_e, zeros for an expert without rows. x [S, K], dy [S, N] of x's dtype."""
+    return _call(DW, x, dy, m_offsets)

@@ -23,6 +23,7 @@ from xkern.grouped_mm.plans import (
     MAX_GEMM_EXPERTS,
     MIN_BLOCK_E,
     ROWS_TILES,
+    VARIANTS,
     GemmTile,
     dw_tile,
     fit,
@@ -30,6 +31,8 @@ from xkern.grouped_mm.plans import (
     plan_grouped_mm,
     plan_grouped_mm_dw,
     rows_tile,
+    set_variant,
+    variant,
     weight_layout,
 )
 from xkern.grouped_mm.recipes import (
@@ -49,6 +52,7 @@ __all__ = [
     "MAX_GEMM_EXPERTS",
     "MIN_BLOCK_E",
     "ROWS_TILES",
+    "VARIANTS",
     "GemmTile",
     "check_grouped_mm",
     "check_grouped_mm_dw",
@@ -64,5 +68,7 @@ __all__ = [
     "plan_grouped_mm",
     "plan_grouped_mm_dw",
     "rows_tile",
+    "set_variant",
+    "variant",
     "weight_layout",
 ]

@@ -3,10 +3,18 @@
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from xkern.device import properties
-from xkern.grouped_mm.kernels import _grouped_dw_kernel, _grouped_rows_kernel
+from xkern.grouped_mm.kernels import (
+    _grouped_dw_chunks_kernel,
+    _grouped_dw_kernel,
+    _grouped_dw_persistent_kernel,
+    _grouped_dw_split_kernel,
+    _grouped_rows_kernel,
+    _grouped_rows_persistent_kernel,
+)
 from xkern.launch import ITEMSIZE, Launch, cdiv, next_pow2, row_align
 
 
@@ -43,9 +51,17 @@ def rows_tile(dtype: str, n_inner: int) -> GemmTile:
     return fit(tile, ITEMSIZE[dtype])
 
 
-def dw_tile(dtype: str) -> GemmTile:
-    """The dw kernel's tile for `dtype`, fitted to this GPU (`fit`)."""
-    return fit(DW_TILES[ITEMSIZE[dtype]], ITEMSIZE[dtype])
+# Variant "dw_narrow", 16-bit: 128 x 128 dw tiles on one warpgroup, 3 stages (98 KiB of shared memory, at most 255
+# registers a thread): two programs fit an SM, one's epilogue beside the other's loads, where an expert's few rows
+# (DeepSeek-V3's 256 on average) make each program's loop short.
+DW_NARROW_TILES = {2: GemmTile(128, 128, 64, 4, 3)}
+
+
+def dw_tile(dtype: str, narrow: bool = False) -> GemmTile:
+    """The dw kernel's tile for `dtype` (`narrow`: variant "dw_narrow"'s, where it has one), fitted to this GPU
+    (`fit`)."""
+    tiles = DW_NARROW_TILES if narrow and ITEMSIZE[dtype] in DW_NARROW_TILES else DW_TILES
+    return fit(tiles[ITEMSIZE[dtype]], ITEMSIZE[dtype])
 
 
 def pipeline_bytes(tile: GemmTile, itemsize: int, arch: int) -> int:
@@ -71,6 +87,32 @@ def fit(tile: GemmTile, itemsize: int) -> GemmTile:
     return tile
 
 
+# Kernel variants, for timing a candidate against the plans' default in one process: the name -> the forms
+# ("fwd", "dx", "dw") whose launches it changes. The plans choose `variant()`: XKERN_GROUPED_MM_VARIANT at
+# import, `set_variant` after (both front ends read it when they make a recipe: a jitted JAX function keeps
+# the recipe it was traced with). Every variant computes the same contract; a variant's bits may differ
+# from the default's (another order of the FP32 sums), never between the front ends.
+VARIANTS = {"default": (), "dw_split": ("dw",), "dw_narrow": ("dw",), "dw_persistent": ("dw",),
+            "persistent": ("fwd", "dx")}
+_variant = [os.environ.get("XKERN_GROUPED_MM_VARIANT", "default")]
+
+
+def set_variant(name: str) -> None:
+    """Make the plans choose variant `name` (`VARIANTS`) from now on."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {name!r}")
+    _variant[0] = name
+
+
+def variant() -> str:
+    """The variant the plans choose now (`VARIANTS`; read on every eager torch call: one list lookup)."""
+    return _variant[0]
+
+
+if _variant[0] not in VARIANTS:
+    raise ValueError(f"XKERN_GROUPED_MM_VARIANT must be one of {', '.join(VARIANTS)}, got {_variant[0]!r}")
+
+
 MAX_GEMM_EXPERTS = 4096  # the offsets are one BLOCK_E vector of every rows program
 MIN_BLOCK_E = 256        # experts' vector length at least this: one binary for up to 256 experts
 
@@ -88,10 +130,11 @@ def weight_layout(n_inner: int, n_cols: int, w_strides: tuple[int, int, int]) ->
 
 
 def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
-                    w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Launch:
+                    w_strides: tuple[int, int, int], tile: GemmTile | None = None, persistent: bool = False) -> Launch:
     """The rows kernel for y [n_slots, n_cols] = x [n_slots, n_inner] @ w[e] [n_inner, n_cols] (w with element
     strides `w_strides`, one matrix dim contiguous: `weight_layout`). Arrays (x, w, offs, y); scalars
-    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`)."""
+    n_slots, n_inner, n_cols, n_experts, x_row_stride, w_expert_stride, w_stride (`grouped_mm_recipe`).
+    `persistent` (variant "persistent"): the same tiles, one program per SM each taking tiles in turn."""
     tile = tile or rows_tile(dtype, n_inner)
     w_expert_stride, w_stride, n_contiguous = weight_layout(n_inner, n_cols, w_strides)
     n_tiles = cdiv(n_slots, tile.block_m) + n_experts
@@ -99,16 +142,68 @@ def plan_grouped_mm(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dty
               "W_N_CONTIGUOUS": n_contiguous, "IEEE": dtype == "float32", "BLOCK_M": tile.block_m,
               "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
               "BLOCK_E": max(MIN_BLOCK_E, next_pow2(n_experts)), "GROUP_M": tile.group_m}
-    return Launch(_grouped_rows_kernel, (n_tiles * cdiv(n_cols, tile.block_n),), tile.num_warps, consts,
-                  tile.num_stages)
+    programs = n_tiles * cdiv(n_cols, tile.block_n)
+    if persistent:
+        return Launch(_grouped_rows_persistent_kernel, (min(programs, properties().num_sms),), tile.num_warps, consts,
+                      tile.num_stages)
+    return Launch(_grouped_rows_kernel, (programs,), tile.num_warps, consts, tile.num_stages)
 
 
 def plan_grouped_mm_dw(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
-                       dy_row_stride: int, tile: GemmTile | None = None) -> Launch:
+                       dy_row_stride: int, tile: GemmTile | None = None, persistent: bool = False) -> Launch:
     """The dw kernel for dw [n_experts, n_inner, n_cols] from x [n_slots, n_inner] and dy [n_slots, n_cols].
-    Arrays (x, dy, offs, dw); scalars n_slots, n_inner, n_cols, n_experts, x_row_stride, dy_row_stride."""
+    Arrays (x, dy, offs, dw); scalars n_slots, n_inner, n_cols, n_experts, x_row_stride, dy_row_stride.
+    `persistent` (variant "dw_persistent"): the same tiles, one program per SM taking them in turn."""
     tile = tile or dw_tile(dtype)
     consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, dy_row_stride), "IEEE": dtype == "float32",
               "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k}
     grid = n_experts * cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
+    if persistent:
+        return Launch(_grouped_dw_persistent_kernel, (min(grid, properties().num_sms),), tile.num_warps, consts,
+                      tile.num_stages)
     return Launch(_grouped_dw_kernel, (grid,), tile.num_warps, consts, tile.num_stages)
+
+
+# The split dw ("dw_split"): an expert of more than DW_SPLIT_ROWS rows is summed in chunks of that many rows, each
+# chunk's FP32 sums kept in a partial of dw's shape (at most 2 * n_slots / chunk of them). Where that many
+# partials would take more than DW_SPLIT_BYTES, the chunks double until they fit (the DeepSeek-V3 size's gate/up
+# projection, 117 MB a partial: 16384-row chunks, more than any expert has at 8192 tokens; Qwen3-MoE's, 13 MB:
+# 4096 rows).
+DW_SPLIT_ROWS = 4096
+DW_SPLIT_BYTES = 2**30
+
+
+class DwSplit(NamedTuple):
+    """The split dw's two launches: `chunks` (x, dy, offs) -> partial [n_partials, n_inner, n_cols] FP32, then
+    `split` (x, dy, offs, partial) -> dw; the same scalars as the dw kernel's."""
+
+    chunks: Launch
+    split: Launch
+    n_partials: int
+
+
+def dw_split_rows(n_slots: int, n_inner: int, n_cols: int, block_r: int) -> int:
+    """Rows per chunk of the split dw: DW_SPLIT_ROWS (a multiple of `block_r`), doubled until the partials fit
+    DW_SPLIT_BYTES."""
+    chunk = cdiv(DW_SPLIT_ROWS, block_r) * block_r
+    while 2 * n_slots // chunk * n_inner * n_cols * 4 > DW_SPLIT_BYTES:
+        chunk *= 2
+    return chunk
+
+
+def plan_grouped_mm_dw_split(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str,
+                             x_row_stride: int, dy_row_stride: int, tile: GemmTile | None = None) -> DwSplit | None:
+    """The split dw (`DwSplit`) with the dw kernel's tile, or None where no expert can have more rows than a
+    chunk (n_slots at most one chunk): then the dw kernel is the plan."""
+    tile = tile or dw_tile(dtype)
+    chunk = dw_split_rows(n_slots, n_inner, n_cols, tile.block_k)
+    if n_slots <= chunk:
+        return None
+    consts = {"ALIGN": row_align(n_inner, n_cols, x_row_stride, dy_row_stride), "IEEE": dtype == "float32",
+              "BLOCK_K": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_R": tile.block_k, "CHUNK": chunk,
+              "BLOCK_E": max(MIN_BLOCK_E, next_pow2(n_experts))}
+    tiles = cdiv(n_inner, tile.block_m) * cdiv(n_cols, tile.block_n)
+    n_partials = 2 * n_slots // chunk
+    return DwSplit(Launch(_grouped_dw_chunks_kernel, (n_partials * tiles,), tile.num_warps, consts, tile.num_stages),
+                   Launch(_grouped_dw_split_kernel, (n_experts * tiles,), tile.num_warps, consts, tile.num_stages),
+                   n_partials)

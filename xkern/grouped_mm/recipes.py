@@ -8,7 +8,16 @@ import functools
 
 import numpy as np
 
-from xkern.grouped_mm.plans import MAX_GEMM_EXPERTS, GemmTile, plan_grouped_mm, plan_grouped_mm_dw, weight_layout
+from xkern.grouped_mm.plans import (
+    MAX_GEMM_EXPERTS,
+    GemmTile,
+    dw_tile,
+    plan_grouped_mm,
+    plan_grouped_mm_dw,
+    plan_grouped_mm_dw_split,
+    variant,
+    weight_layout,
+)
 from xkern.launch import FLOATS, INT32_MAX, Buffer, Recipe, Step, check_row_count
 
 
@@ -87,49 +96,67 @@ def _zeros(name: str, shape: tuple[int, ...], dtype: str) -> Recipe:
     return Recipe((Step(None, (), (Buffer(name, shape, dtype, fill=0),)),), (name,))
 
 
+@functools.lru_cache(maxsize=1024, typed=True)
 def _rows_recipe(rows: str, out: str, n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str,
-                 row_stride: int, w_strides: tuple[int, int, int], tile: GemmTile | None) -> Recipe:
+                 row_stride: int, w_strides: tuple[int, int, int], tile: GemmTile | None, persistent: bool) -> Recipe:
     if n_slots * n_cols == 0 or n_inner == 0:  # nothing to multiply: zeros (or nothing)
         return _zeros(out, (n_slots, n_cols), dtype)
     layout = weight_layout(n_inner, n_cols, w_strides)
     if layout is None:
         raise ValueError(f"w's strides {list(w_strides)} have neither matrix dim contiguous: pass a contiguous w")
-    plan = plan_grouped_mm(n_slots, n_inner, n_cols, n_experts, dtype, row_stride, w_strides, tile)
+    plan = plan_grouped_mm(n_slots, n_inner, n_cols, n_experts, dtype, row_stride, w_strides, tile, persistent)
     w_expert_stride, w_stride, _ = layout
     scalars = dict(n_slots=n_slots, n_inner=n_inner, n_cols=n_cols, n_experts=n_experts, x_row_stride=row_stride,
                    w_expert_stride=w_expert_stride, w_stride=w_stride)
     return Recipe((Step(plan, (rows, "w", "offs"), (Buffer(out, (n_slots, n_cols), dtype),), scalars),), (out,))
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
                       w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Recipe:
     """The forward. Inputs x [n_slots, n_inner] (rows `x_row_stride` apart, last dim contiguous), w [n_experts,
     n_inner, n_cols] (element strides `w_strides`: contiguous is (K * N, N, 1)), offs [n_experts] int32; result y
-    [n_slots, n_cols] in `dtype`."""
-    return _rows_recipe("x", "y", n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, w_strides, tile)
+    [n_slots, n_cols] in `dtype`. The plans' variant (`variant()`) chooses the launch."""
+    return _rows_recipe("x", "y", n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, w_strides, tile,
+                        variant() == "persistent")
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_dx_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, dy_row_stride: int,
                          w_strides: tuple[int, int, int], tile: GemmTile | None = None) -> Recipe:
     """The gradient of x: the forward's rows kernel on dy with w read transposed (its K and N strides swapped,
     no copy). Inputs dy [n_slots, n_cols] (rows `dy_row_stride` apart), w [n_experts, n_inner, n_cols] as in
     the forward (`w_strides` its own strides), offs; result dx [n_slots, n_inner] in `dtype`."""
     se, sk, sn = w_strides
-    return _rows_recipe("dy", "dx", n_slots, n_cols, n_inner, n_experts, dtype, dy_row_stride, (se, sn, sk), tile)
+    return _rows_recipe("dy", "dx", n_slots, n_cols, n_inner, n_experts, dtype, dy_row_stride, (se, sn, sk), tile,
+                        variant() == "persistent")
 
 
-@functools.lru_cache(maxsize=1024, typed=True)
 def grouped_mm_dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
                          dy_row_stride: int, tile: GemmTile | None = None) -> Recipe:
     """The gradient of w. Inputs x [n_slots, n_inner], dy [n_slots, n_cols] (rows `*_row_stride` apart, last dim
     contiguous), offs; result dw [n_experts, n_inner, n_cols] (contiguous) in `dtype`: x_e.T @ dy_e, zeros for
-    an expert without rows."""
+    an expert without rows. The plans' variant (`variant()`) chooses the launches."""
+    name = variant()
+    if tile is None and name == "dw_narrow":
+        tile = dw_tile(dtype, narrow=True)
+    return _dw_recipe(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
+                      name == "dw_split", name == "dw_persistent")
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _dw_recipe(n_slots: int, n_inner: int, n_cols: int, n_experts: int, dtype: str, x_row_stride: int,
+               dy_row_stride: int, tile: GemmTile | None, split: bool, persistent: bool) -> Recipe:
     shape = (n_experts, n_inner, n_cols)
     if n_experts * n_inner * n_cols == 0 or n_slots == 0:
         return _zeros("dw", shape, dtype)
-    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile)
     scalars = dict(n_slots=n_slots, n_inner=n_inner, n_cols=n_cols, n_experts=n_experts, x_row_stride=x_row_stride,
                    dy_row_stride=dy_row_stride)
-    return Recipe((Step(plan, ("x", "dy", "offs"), (Buffer("dw", shape, dtype),), scalars),), ("dw",))
+    dw = Buffer("dw", shape, dtype)
+    plan = split and plan_grouped_mm_dw_split(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride,
+                                              dy_row_stride, tile)
+    if plan:
+        partial = Buffer("partial", (plan.n_partials, n_inner, n_cols), "float32")
+        return Recipe((Step(plan.chunks, ("x", "dy", "offs"), (partial,), scalars),
+                       Step(plan.split, ("x", "dy", "offs", "partial"), (dw,), scalars)), ("dw",))
+    plan = plan_grouped_mm_dw(n_slots, n_inner, n_cols, n_experts, dtype, x_row_stride, dy_row_stride, tile,
+                              persistent)
+    return Recipe((Step(plan, ("x", "dy", "offs"), (dw,), scalars),), ("dw",))
