@@ -8,8 +8,7 @@ flax.nnx.RMSNorm's math (flax/nnx/nn/normalization.py): x and scale are promoted
 (`promote_dtype((x, scale), dtype=dtype)`: `dtype` when given, else their promotion), the mean of squares is
 taken in float32 (at least), and `y = x * (rsqrt(var + epsilon) * scale)` in float32 is rounded once to D.
 xkern computes the same expression with the same single rounding: OLMo-2's variant `(scale * normed).astype(D)`
-for a 16-bit D, Llama's `scale * normed` for float32 (the two are one rounding of one product there, and
-Llama's is the one whose hidden dim stays sharded under jit: docs/sharding.md).
+for a 16-bit D, Llama's `scale * normed` for float32 (the two are one rounding of one product there).
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ def unsupported_reason(norm: nnx.RMSNorm) -> str | None:
 
 
 def _variant(dtype) -> str:
-    # One rounding of scale * normed either way; Llama's kernels also run on a sharded hidden dim (float32 only:
-    # for a 16-bit D Llama's rounds normed first, flax does not).
+    # One rounding of scale * normed either way (float32 only: for a 16-bit D Llama's rounds normed first,
+    # flax does not).
     return "llama" if jnp.dtype(dtype) == jnp.float32 else "olmo2"
 
 

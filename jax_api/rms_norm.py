@@ -21,7 +21,7 @@ from jax_api import sharding
 from jax_api._launch import check_array, execute, map_batched, vary_like, varying
 from jax_api._linear import linear
 from xkern.launch import check_float
-from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe, width_sharded_ok
+from xkern.rms_norm import check_rms_norm, rms_norm_bwd_recipe, rms_norm_fwd_recipe
 
 
 # `variant` is check_rms_norm's ("none" without a weight: `weight` is then None, and the recipe reads x alone).
@@ -57,8 +57,8 @@ def _fwd_op(eps: float, variant: str):
     @jax.custom_batching.custom_vmap
     def op(x, weight):
         if weight is None:
-            return sharding.rms_norm_fwd(body, eps, x.ndim, width_sharded_ok(variant), weighted=False)(x)
-        return sharding.rms_norm_fwd(body, eps, x.ndim, width_sharded_ok(variant))(x, weight)
+            return sharding.rms_norm_fwd(body, eps, x.ndim, variant, weighted=False)(x)
+        return sharding.rms_norm_fwd(body, eps, x.ndim, variant)(x, weight)
 
     @op.def_vmap
     def _(axis_size, in_batched, x, weight):
@@ -77,9 +77,9 @@ def _bwd_op(eps: float, variant: str, n_batch_dims: int):
     @jax.custom_batching.custom_vmap
     def op(dy, x, weight):
         if weight is None:
-            return sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, width_sharded_ok(variant),
+            return sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, variant,
                                          weighted=False)(dy, x), None
-        partitioned = sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, width_sharded_ok(variant))
+        partitioned = sharding.rms_norm_bwd(body, eps, x.ndim, n_batch_dims, variant)
         return tuple(partitioned(dy, x, weight))
 
     @op.def_vmap

@@ -49,7 +49,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_api._launch import call, host_custom_call, vary_like, varying
-from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
+from xkern.rms_norm import out_dtype_name, plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
 
 def dim_axes(arg) -> list[tuple[str, ...]]:
@@ -207,22 +207,23 @@ def factor_names(n: int, prefix: str = "r") -> list[str]:
 
 
 @functools.cache
-def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True, weighted: bool = True):
-    """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned. Without `width_ok` (the
-    variants the width-sharded kernels do not compute) a sharded hidden dim is gathered first. Without
-    `weighted`, the op takes x alone (`body(x, None, eps)`)."""
+def rms_norm_fwd(body, eps: float, ndim: int, variant: str = "llama", weighted: bool = True):
+    """`body(x, w, eps)` (the single-device forward, x of rank `ndim`) partitioned; a sharded hidden dim by
+    the width-sharded kernels of `variant` (check_variant's). Without `weighted`, the op takes x alone
+    (`body(x, None, eps)`)."""
     rows = " ".join(factor_names(ndim - 1))
 
     def partition(mesh, arg_shapes, result_shape):
         dims = dim_axes(arg_shapes[0])
-        if not width_ok:
-            dims[-1] = ()
         hidden = dims[-1]
         x_sharding = named_sharding(mesh, dims)
+        n_total = arg_shapes[0].shape[-1]
         if not weighted:
-            return mesh, per_shard(lambda x: body(x, None, eps)), x_sharding, (x_sharding,)
+            fn = (lambda x: fwd_width_sharded(hidden, n_total, eps, x, None, variant)) if hidden else \
+                (lambda x: body(x, None, eps))
+            return mesh, per_shard(fn), x_sharding, (x_sharding,)
         if hidden:
-            fn = functools.partial(fwd_width_sharded, hidden, arg_shapes[0].shape[-1], eps)
+            fn = functools.partial(fwd_width_sharded, hidden, n_total, eps, variant=variant)
         else:
             fn = lambda x, w: body(x, w, eps)  # noqa: E731
         return mesh, per_shard(fn), x_sharding, (x_sharding, named_sharding(mesh, [hidden]))
@@ -233,9 +234,9 @@ def rms_norm_fwd(body, eps: float, ndim: int, width_ok: bool = True, weighted: b
 
 
 @functools.cache
-def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool = True, weighted: bool = True):
+def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, variant: str = "llama", weighted: bool = True):
     """`body(dy, x, w, eps, n_batch_dims, dw_dtype)` (the single-device backward: dx, and dw with x's
-    leading `n_batch_dims` dims, those of vmap) partitioned; `width_ok` as in `rms_norm_fwd`. Without
+    leading `n_batch_dims` dims, those of vmap) partitioned; `variant` as in `rms_norm_fwd`. Without
     `weighted`: (dy, x) -> dx."""
     batch, rows = factor_names(n_batch_dims, "b"), factor_names(ndim - 1 - n_batch_dims)
     lead = " ".join(batch + rows)
@@ -245,18 +246,18 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool 
 
     def partition(mesh, arg_shapes, result_shape):
         dims = dim_axes(arg_shapes[1])
-        if not width_ok:
-            dims[-1] = ()
         hidden = dims[-1]
         row_axes = tuple(a for d in dims[n_batch_dims:-1] for a in d)
         x_sharding = named_sharding(mesh, dims)
-        if not weighted:
-            return mesh, per_shard(dx_only), x_sharding, (x_sharding, x_sharding)
         n_total = arg_shapes[1].shape[-1]
+        if not weighted:
+            fn = (lambda dy, x: bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, x, None, variant)[0]) \
+                if hidden else dx_only
+            return mesh, per_shard(fn), x_sharding, (x_sharding, x_sharding)
 
         def fn(dy, x, w):
             if hidden:
-                dx, dw = bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, x, w)
+                dx, dw = bwd_width_sharded(hidden, n_total, eps, n_batch_dims, dy, x, w, variant)
             else:
                 dx, dw = body(dy, x, w, eps, n_batch_dims, jnp.float32)
             if row_axes:  # the rows' dw of every device: one fp32 all-reduce, then w's dtype once
@@ -272,42 +273,51 @@ def rms_norm_bwd(body, eps: float, ndim: int, n_batch_dims: int, width_ok: bool 
     return partitioned(lambda dy, x, w: body(dy, x, w, eps, n_batch_dims), partition, rule)
 
 
-def fwd_width_sharded(hidden, n_total: int, eps: float, x, w):
-    """One shard's columns of the forward: local row sums, psum over `hidden`, local normalisation."""
+def fwd_width_sharded(hidden, n_total: int, eps: float, x, w, variant: str = "llama"):
+    """One shard's columns of the forward: local row sums, psum over `hidden`, local normalisation. w None:
+    no weight (`variant` "none"; x is bound in its place, not read)."""
     n_cols = x.shape[-1]
-    out_dtype = jnp.promote_types(x.dtype, w.dtype)
+    variant = "none" if w is None else variant
+    out_dtype = jnp.dtype(out_dtype_name(x.dtype.name, None if w is None else w.dtype.name, variant))
     if x.size == 0:
         return jnp.zeros(x.shape, out_dtype)
     x2 = x.reshape(-1, n_cols)
     n_rows = x2.shape[0]
-    sums, norm = plan_rms_norm_fwd_width_sharded(n_rows, n_cols, eps)
+    sums, norm = plan_rms_norm_fwd_width_sharded(n_rows, n_cols, eps, variant=variant)
     scalars = dict(n_rows=n_rows, n_cols=n_cols, n_total=n_total, x_row_stride=n_cols, y_row_stride=n_cols)
     (sum_sq,) = call(sums, [x2], [jax.ShapeDtypeStruct((n_rows,), jnp.float32)], **scalars)
     sum_sq = jax.lax.psum(vary_like(sum_sq, x), hidden)
-    (y,) = call(norm, [x2, w, sum_sq], [jax.ShapeDtypeStruct(x2.shape, out_dtype)], **scalars)
+    (y,) = call(norm, [x2, x2 if w is None else w, sum_sq], [jax.ShapeDtypeStruct(x2.shape, out_dtype)], **scalars)
     return y.reshape(x.shape)
 
 
-def bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, x, w):
-    """One shard's columns of the backward: dx [x's shape] and the fp32 dw of its rows [batch..., N/shards]."""
+def bwd_width_sharded(hidden, n_total: int, eps: float, n_batch_dims: int, dy, x, w, variant: str = "llama"):
+    """One shard's columns of the backward: dx [x's shape] and the fp32 dw of its rows [batch..., N/shards]
+    (None without a weight: `variant` "none")."""
     n_cols = x.shape[-1]
     batch_shape = x.shape[:n_batch_dims]
     n_batch = math.prod(batch_shape)
+    variant = "none" if w is None else variant
+    no_dw = None if w is None else jnp.zeros(batch_shape + (n_cols,), jnp.float32)
     if x.size == 0:
-        return jnp.zeros_like(x), jnp.zeros(batch_shape + (n_cols,), jnp.float32)
+        return jnp.zeros_like(x), no_dw
     n_rows = x.size // n_cols // n_batch
-    plan = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, eps, n_batch=n_batch)
+    plan = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, eps, n_batch=n_batch, variant=variant)
     scalars = dict(n_rows=n_batch * n_rows, n_cols=n_cols, n_total=n_total, x_row_stride=n_cols,
                    dy_row_stride=n_cols, dx_row_stride=n_cols)
-    inputs = [x.reshape(-1, n_cols), w, dy.reshape(-1, n_cols)]
+    x2 = x.reshape(-1, n_cols)
+    inputs = [x2, x2 if w is None else w, dy.reshape(-1, n_cols)]
     stats_type = jax.ShapeDtypeStruct((n_batch * n_rows, 2), jnp.float32)
     (sums,) = call(plan.sums, inputs, [stats_type], **scalars)
     sums = jax.lax.psum(vary_like(sums, x), hidden)
     (stats,) = call(plan.finish, [sums], [stats_type], **scalars)
+    partial_rows = 1 if plan.reduce is None else n_batch * plan.n_partials  # (not written without a weight)
     dx, partial = call(plan.bwd, inputs + [stats],
                        [jax.ShapeDtypeStruct(inputs[0].shape, x.dtype),
-                        jax.ShapeDtypeStruct((n_batch * plan.n_partials, n_cols), jnp.float32)],
+                        jax.ShapeDtypeStruct((partial_rows, n_cols), jnp.float32)],
                        **{**scalars, "n_rows": n_rows})
+    if plan.reduce is None:
+        return dx.reshape(x.shape), None
     (dw,) = call(plan.reduce, [partial], [jax.ShapeDtypeStruct((n_batch, n_cols), jnp.float32)],
                  n_partials=plan.n_partials, n_cols=n_cols)
     return dx.reshape(x.shape), dw.reshape(batch_shape + (n_cols,))

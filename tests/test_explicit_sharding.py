@@ -273,8 +273,9 @@ def _check(cases: list[str]) -> dict:
     case("permute and combine", moe_case)
 
     def more_case():
-        """The rest, typed as jnp's or as their rules say: variants without width-sharded kernels (the width
-        gathered, the result typed split), vmap and remat of the gradients, the index ops, plain unpermute."""
+        """The rest, typed as jnp's or as their rules say: the variants (Gemma, no weight) on a sharded width
+        (their width-sharded kernels: no collective jnp has not), vmap and remat of the gradients, the index
+        ops, plain unpermute."""
         x0 = rng.standard_normal((2, 8, 64)).astype(np.float32)
         w0 = (1 + 0.5 * rng.standard_normal(64)).astype(np.float32)
 
@@ -287,6 +288,13 @@ def _check(cases: list[str]) -> dict:
             gemma_ref = lambda a, b: (rms_ref(a, jnp.ones_like(b)) * (1 + b))  # noqa: E731
             same_types(jax.jit(gemma)(x, w), gemma_ref(x, w), "gemma")
             same_types(jax_api.rms_norm(x, None), rms_ref(x, 1.0), "no weight")
+            def grad_collectives(f):
+                return collectives(jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1))), x, w)
+
+            no_new_collectives(grad_collectives(gemma), grad_collectives(gemma_ref), "gemma, grad")
+            unweighted = lambda a, b: jax_api.rms_norm(a, None, eps) * b  # noqa: E731
+            unweighted_ref = lambda a, b: rms_ref(a, 1.0) * b  # noqa: E731
+            no_new_collectives(grad_collectives(unweighted), grad_collectives(unweighted_ref), "no weight, grad")
             for name, t in (("vmap", lambda g: jax.vmap(g, in_axes=(0, None))), ("remat", jax.checkpoint)):
                 ours = jax.jit(t(jax.grad(functools.partial(loss, jax_api.rms_norm), argnums=(0, 1))))
                 theirs = jax.jit(t(jax.grad(functools.partial(loss, rms_ref), argnums=(0, 1))))

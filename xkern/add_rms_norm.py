@@ -21,7 +21,6 @@ from xkern.rms_norm import (
     plan_rms_norm_bwd,
     plan_rms_norm_fwd,
     rms_norm_bwd_recipe,
-    width_sharded_ok,
 )
 from xkern.rms_norm.kernels import DTYPE_CODES, FUSED
 from xkern.rms_norm.recipes import bwd_recipe
@@ -108,8 +107,9 @@ def add_rms_norm_bwd_recipe(n_rows: int, n_cols: int, eps: float, x_dtype: str, 
 def add_width_sharded_ok(variant: str, x_dtype: str, res_dtype: str) -> bool:
     """Whether a sharded width of `add_rms_norm` stays sharded (check_variant's variant, dtype names): each
     shard adds its columns, then the width-sharded kernels normalise them, which round `normed` to their
-    input's dtype, so residual_out must be in x's."""
-    return width_sharded_ok(variant) and x_dtype == res_dtype
+    input's dtype, so residual_out must be in x's. The Llama math with a weight (the plain norm's width-sharded
+    path takes every variant; the fused one's others gather the width)."""
+    return variant == "llama" and x_dtype == res_dtype
 
 
 def compile_variants():

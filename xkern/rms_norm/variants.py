@@ -49,7 +49,8 @@ def compile_variants():
             yield bwd.bwd, {**ptrs, "DW_PARTIAL": pointer[w_dtype]}
         if n_rows == 100_000 and n_cols in (1, 3, 300, 2052, 4096, 16384):  # the width-sharded kernels (a shard)
             ptrs = {**ptrs, "SUM_SQ": "*fp32", "SUMS": "*fp32"}
-            sharded = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, 1e-6)
-            for launch in (*plan_rms_norm_fwd_width_sharded(n_rows, n_cols, 1e-6), sharded.sums, sharded.finish,
-                           sharded.bwd, sharded.reduce):
-                yield launch, ptrs
+            sharded = plan_rms_norm_bwd_width_sharded(n_rows, n_cols, 1e-6, variant=variant)
+            for launch in (*plan_rms_norm_fwd_width_sharded(n_rows, n_cols, 1e-6, variant=variant), sharded.sums,
+                           sharded.finish, sharded.bwd, sharded.reduce):
+                if launch is not None:
+                    yield launch, ptrs
