@@ -49,7 +49,7 @@ import torch_api.permute  # noqa: F401
 import torch_api.rms_norm  # noqa: F401
 from torch_api._launch import dtype_name, launch, rows_view
 from xkern.add_rms_norm import add_width_sharded_ok
-from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded, width_sharded_ok
+from xkern.rms_norm import plan_rms_norm_bwd_width_sharded, plan_rms_norm_fwd_width_sharded
 
 _ops = torch.ops.xkern
 R = Replicate()
@@ -163,7 +163,8 @@ def _width_path(x, weight, variant_args, kwargs) -> list[int]:
     the strategies take it (gathering the width). The ops' `variant` is check_variant's ("none" without a
     weight), "llama" when left out."""
     variant = variant_args[0] if variant_args else kwargs.get("variant", "llama")
-    return _width_dims(x) if width_sharded_ok(variant) and weight is not None else []
+    # Llama's math only here (jax_api's width-sharded path takes every variant; DTensor's others gather)
+    return _width_dims(x) if variant == "llama" and weight is not None else []
 
 
 def _rms_norm_fwd_handler(op_call, args, kwargs):
