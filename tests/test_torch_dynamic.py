@@ -152,7 +152,8 @@ def keep(key):
 OPS = {"rms_norm_fwd": lambda x, w: torch.ops.xkern.rms_norm_fwd(x, w, 1e-6, "llama"),
        "rms_norm_bwd": lambda x, w: torch.ops.xkern.rms_norm_bwd(x, x, w, 1e-6, "llama"),
        "add_rms_norm_fwd": lambda x, w: torch.ops.xkern.add_rms_norm_fwd(x, x, w, 1e-6, "llama", "bfloat16"),
-       "add_rms_norm_bwd": lambda x, w: torch.ops.xkern.add_rms_norm_bwd(x, x, x, w, 1e-6, "llama", "bfloat16")}
+       "add_rms_norm_bwd": lambda x, w: torch.ops.xkern.add_rms_norm_bwd(x, x, x, w, 1e-6, "llama", "bfloat16"),
+       "permute_rows": lambda x, w: torch.ops.xkern.permute_rows(x, torch.arange(x.shape[0], dtype=torch.int32))}
 for rows, width in ((6, 16), (1024, 4096)):
     x, w = torch.randn(rows, width, dtype=torch.bfloat16), torch.randn(width, dtype=torch.bfloat16)
     for name, f in OPS.items():
@@ -169,7 +170,8 @@ def test_gpu_registration_traces_a_symbolic_row_count():
     """The GPU's registration (triton_op), traced on the CPU by AOT autograd with a symbolic row count: past
     the plan's saturation row count (`rows_recipe`: 1024 rows of 4096) each op decomposes into its kernel
     launches (Inductor launches them from its code), below it (6 rows of 16) into its opaque twin
-    (`*_any`), not into launches specialized on a shape."""
+    (`*_any`), not into launches specialized on a shape. A gather, whose plan reads sizes as ints, takes its
+    twin at every row count."""
     import ast
     import os
     import subprocess
@@ -186,6 +188,8 @@ def test_gpu_registration_traces_a_symbolic_row_count():
         assert graphs[(name, 6)][0] == f"xkern.{name}_any.default", graphs
         assert "triton_kernel_wrapper_functional" in graphs[(name, 1024)], graphs
         assert not any(t.endswith("_any.default") for t in graphs[(name, 1024)]), graphs
+    for rows in (6, 1024):
+        assert "xkern.permute_rows_any.default" in graphs[("permute_rows", rows)], graphs
 
 
 @pytest.mark.parametrize("width", [1, 64, 128, 576, 4096, 20000, 70000])

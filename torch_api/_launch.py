@@ -353,14 +353,16 @@ def rows_recipe(make, rows, *args, **kwargs):
     return _at(found[0], rows)
 
 
-def register_op(name: str, fake):
+def register_op(name: str, fake, symbolic_rows: bool = False):
     """Decorator: `fn` as the op `name`, with `fake(*args)` giving its outputs' shapes and dtypes from the
     inputs' alone, so that a traced row count stays symbolic (plans are chosen per call, at run time).
 
     On the GPU a `torch.library.triton_op`, so that Inductor launches its kernels from the generated code; a
     call traced with symbolic sizes goes to its twin `name + "_any"` instead, an opaque custom op (`fake`
-    traced, `fn` run with the concrete shapes): one graph for every row count. Under the interpreter, whose
-    kernels torch cannot trace, the op itself is an opaque custom op with `fake`."""
+    traced, `fn` run with the concrete shapes): one graph for every row count. With `symbolic_rows` (`fn`
+    plans through `rows_recipe`, reading no size as an int but the row count's) `fn` traces a saturated row
+    count itself, the twin taking the rest. Under the interpreter, whose kernels torch cannot trace, the op
+    itself is an opaque custom op with `fake`."""
 
     def wrap(fn):
         if INTERPRET:
@@ -382,10 +384,12 @@ def register_op(name: str, fake):
         def body(*args):
             if not symbolic(*args):
                 return fn(*args)
-            try:  # a saturated plan (`rows_recipe`): Inductor launches its kernels
-                return fn(*args)
-            except NeedsConcreteRows:
-                return twin(*args)
+            if symbolic_rows:
+                try:  # a saturated plan (`rows_recipe`): Inductor launches its kernels
+                    return fn(*args)
+                except NeedsConcreteRows:
+                    pass
+            return twin(*args)  # (other ops' plans read sizes as ints: traced, they would specialize)
 
         body.__signature__ = signature
 

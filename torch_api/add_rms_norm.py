@@ -85,7 +85,7 @@ def _bwd_fake(dy, dres, residual_out, weight, eps, variant, x_dtype):
     return residual_out.new_empty(residual_out.shape), dw
 
 
-@register_op("xkern::add_rms_norm_fwd", _fwd_fake)
+@register_op("xkern::add_rms_norm_fwd", _fwd_fake, symbolic_rows=True)
 def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                      variant: str, residual_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out), both contiguous in x's shape."""
@@ -97,7 +97,7 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
     return y.view(x.shape), res.view(x.shape)
 
 
-@register_op("xkern::add_rms_norm_bwd", _bwd_fake)
+@register_op("xkern::add_rms_norm_bwd", _bwd_fake, symbolic_rows=True)
 def add_rms_norm_bwd(dy: torch.Tensor, dres: Optional[torch.Tensor], residual_out: torch.Tensor,
                      weight: Optional[torch.Tensor], eps: float, variant: str,
                      x_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

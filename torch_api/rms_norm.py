@@ -74,7 +74,7 @@ def _bwd_fake(dy, x, weight, eps, variant="llama"):
 
 # `variant` is check_variant's ("none" without a weight: `weight` is then None). A traced call keeps the row
 # count symbolic (`rows_recipe`, `register_op`).
-@register_op("xkern::rms_norm_fwd", _fwd_fake)
+@register_op("xkern::rms_norm_fwd", _fwd_fake, symbolic_rows=True)
 def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, variant: str = "llama") -> torch.Tensor:
     x2 = rows_view(x)
     recipe = rows_recipe(rms_norm_fwd_recipe, x2.shape[0], int(x.shape[-1]), eps, dtype_name(x.dtype),
@@ -83,7 +83,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, va
     return y.view(x.shape)
 
 
-@register_op("xkern::rms_norm_bwd", _bwd_fake)
+@register_op("xkern::rms_norm_bwd", _bwd_fake, symbolic_rows=True)
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
                  eps: float, variant: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """dx, and dw (of shape [0] without a weight: an op returns no None)."""
